@@ -1,0 +1,116 @@
+"""One attention block for MHA, GQA and MQA."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+
+from etblocks.attention.rope import RotaryEmbedding, apply_rotary
+from etblocks.attention.sdpa import SDPA
+from etblocks.kv_cache.base import KVCache
+from etblocks.kv_cache.io import IOKVCache
+
+QKNormLayout = Literal["head", "full", "heads_first"]
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped KV heads, rotary embeddings and an owned or caller-owned KV cache.
+
+    `forward(x [B, T, D], input_pos [T]) -> [B, T, D]`, where `input_pos` holds the absolute positions of the
+    T tokens (consecutive). With an `IOKVCache` it also takes `kv=(k_cache, v_cache)` and `mask` and returns
+    `(y, k_new, v_new)`.
+
+    Projections are `q_proj`, `k_proj`, `v_proj` (or one fused `qkv_proj`) and `o_proj`. Optional `q_norm` /
+    `k_norm` apply per head (`"head"`), over the whole projection (`"full"`) or on a `[B, H, T, D]` view
+    (`"heads_first"`). Subclasses change one step by overriding `project_qkv`, `normalize_qk`,
+    `rotate` or `attend`.
+    """
+
+    def __init__(
+        self,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        sdpa: SDPA,
+        kv_cache: KVCache | IOKVCache | None,
+        q_proj: nn.Module | None,
+        k_proj: nn.Module | None,
+        v_proj: nn.Module | None,
+        o_proj: nn.Module,
+        qkv_proj: nn.Module | None = None,
+        rope: RotaryEmbedding | None = None,
+        q_norm: nn.Module | None = None,
+        k_norm: nn.Module | None = None,
+        qk_norm_layout: QKNormLayout = "head",
+    ) -> None:
+        super().__init__()
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+        if (qkv_proj is None) == (q_proj is None):
+            raise ValueError("give either q_proj, k_proj and v_proj, or one fused qkv_proj")
+        self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.q_proj, self.k_proj, self.v_proj, self.qkv_proj, self.o_proj = q_proj, k_proj, v_proj, qkv_proj, o_proj
+        self.q_norm, self.k_norm = q_norm, k_norm
+        self.qk_norm_layout = qk_norm_layout
+        self.rope = rope
+        self.sdpa = sdpa
+        self.kv_cache = kv_cache
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`x [B, T, D]` -> flat `q [B, T, H*Dh]`, `k, v [B, T, Hkv*Dh]`."""
+        if self.qkv_proj is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        qkv = self.qkv_proj(x)
+        q_width = self.n_heads * self.head_dim
+        kv_width = self.n_kv_heads * self.head_dim
+        # Slices, not split(): split on the last dim can freeze a dynamic sequence length in to_edge.
+        return qkv[..., :q_width], qkv[..., q_width : q_width + kv_width], qkv[..., q_width + kv_width :]
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor, per_head: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Apply q/k norms; called once on the flat projections and once on `[B, T, H, Dh]` views."""
+        if self.q_norm is None or (self.qk_norm_layout == "full") == per_head:
+            return q, k
+        if self.qk_norm_layout == "heads_first":
+            return self.q_norm(q.transpose(1, 2)).transpose(1, 2), self.k_norm(k.transpose(1, 2)).transpose(1, 2)
+        return self.q_norm(q), self.k_norm(k)
+
+    def rotate(
+        self, q: torch.Tensor, k: torch.Tensor, input_pos: torch.Tensor, position_embeddings=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary embeddings from the given `(cos, sin)` or from this block's own `rope`; none if neither."""
+        if position_embeddings is None:
+            if self.rope is None:
+                return q, k
+            position_embeddings = self.rope(input_pos)
+        cos, sin = position_embeddings
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+    def attend(self, q, k, v, q_pos, k_pos, mask=None) -> torch.Tensor:
+        return self.sdpa(q, k, v, q_pos, k_pos, mask)
+
+    def forward(self, x: torch.Tensor, input_pos: torch.Tensor, position_embeddings=None, kv=None, mask=None):
+        bsz, seq_len, _ = x.shape
+        q, k, v = self.project_qkv(x)
+        q, k = self.normalize_qk(q, k, per_head=False)
+        q = q.view(bsz, seq_len, self.n_heads, self.head_dim)
+        k = k.view(bsz, seq_len, self.n_kv_heads, self.head_dim)
+        v = v.view(bsz, seq_len, self.n_kv_heads, self.head_dim)
+        q, k = self.normalize_qk(q, k, per_head=True)
+        q, k = self.rotate(q, k, input_pos, position_embeddings)
+
+        if isinstance(self.kv_cache, IOKVCache):
+            if kv is None or mask is None:
+                raise ValueError("an Attention with an IOKVCache needs kv=(k_cache, v_cache) and an additive mask")
+            k_all, v_all = self.kv_cache.update(k, v, *kv)
+            y = self.attend(q, k_all, v_all, input_pos, None, mask)
+            return self.o_proj(y.reshape(bsz, seq_len, -1)), k, v
+        if self.kv_cache is None:
+            k_all, v_all, k_pos = k, v, input_pos
+        else:
+            k_all, v_all, k_pos = self.kv_cache.update(input_pos, k, v)
+        y = self.attend(q, k_all, v_all, input_pos, k_pos, mask)
+        return self.o_proj(y.reshape(bsz, seq_len, -1))

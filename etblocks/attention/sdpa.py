@@ -1,0 +1,107 @@
+"""Scaled dot-product attention in three forms, all on `[B, T, H, D]` queries and `[B, S, Hkv, D]` keys/values.
+
+- `CustomSDPA`: ExecuTorch's `llama::custom_sdpa` over a positional cache (fast XNNPACK/CPU decode).
+- `DynamicSDPA`: plain torch; builds its mask from positions, so it also serves ring caches and softcaps.
+- `StaticSDPA`: plain torch over a fixed-size cache with an additive mask the caller gives (static programs).
+
+GQA is computed by grouping queries per KV head, never by repeating K/V.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from etblocks.attention.masks import allowed_keys
+
+
+def load_llama_custom_ops() -> None:
+    """Register `llama::custom_sdpa` / `llama::update_cache` with torch and the ExecuTorch runtime."""
+    from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401
+
+
+def attention_math(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Reference attention. `mask` is boolean (True = attend) or additive, shaped `[T, S]`."""
+    bsz, q_len, n_heads, head_dim = q.shape
+    n_kv_heads = k.shape[2]
+    groups = n_heads // n_kv_heads
+    # [B, Hkv, G*T, D]: the G query heads that share one KV head attend as one longer query block.
+    q = q.view(bsz, q_len, n_kv_heads, groups, head_dim).permute(0, 2, 3, 1, 4).reshape(bsz, n_kv_heads, groups * q_len, head_dim)
+    k = k.transpose(1, 2)
+    v = v.transpose(1, 2)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, Hkv, G*T, S]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if groups > 1:
+        mask = mask.repeat(groups, 1)  # row g*T + t of the block is query t of group g
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask
+    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    out = torch.matmul(probs, v)  # [B, Hkv, G*T, D]
+    return out.view(bsz, n_kv_heads, groups, q_len, head_dim).permute(0, 3, 1, 2, 4).reshape(bsz, q_len, n_heads, head_dim)
+
+
+class SDPA(nn.Module):
+    """Interface: `forward(q, k, v, q_pos [T], k_pos [S], mask=None) -> [B, T, H, D]`.
+
+    `k_pos` holds the absolute position of every key slot (-1 for an empty slot).
+    """
+
+    def __init__(self, scale: float, softcap: float | None = None, sliding_window: int | None = None) -> None:
+        super().__init__()
+        self.scale = scale
+        self.softcap = softcap
+        self.sliding_window = sliding_window
+
+    def extra_repr(self) -> str:
+        return f"scale={self.scale:.4g}, softcap={self.softcap}, sliding_window={self.sliding_window}"
+
+
+class DynamicSDPA(SDPA):
+    """Plain-torch attention whose mask comes from positions: works for any cache and any T."""
+
+    def forward(self, q, k, v, q_pos, k_pos, mask=None):
+        if mask is None:
+            mask = allowed_keys(q_pos, k_pos, self.sliding_window)
+        return attention_math(q, k, v, mask, self.scale, self.softcap)
+
+
+class StaticSDPA(SDPA):
+    """Attention over a fixed-size cache with an additive `[T, S]` mask supplied by the caller."""
+
+    def forward(self, q, k, v, q_pos, k_pos, mask=None):
+        if mask is None:
+            raise ValueError("StaticSDPA needs the caller's additive mask `[T, S]`; got mask=None")
+        return attention_math(q, k, v, mask, self.scale, self.softcap)
+
+
+class CustomSDPA(SDPA):
+    """`llama::custom_sdpa`: causal attention over a positional cache, GQA native, offset by the start position.
+
+    It reads keys `[0, start + T)` of the cache, so it needs a positional (not ring) cache, equal q/k/v head
+    dims, and no softcap or sliding window.
+    """
+
+    def __init__(self, scale: float, softcap: float | None = None, sliding_window: int | None = None) -> None:
+        if softcap is not None or sliding_window is not None:
+            raise ValueError(
+                f"CustomSDPA supports neither softcap nor sliding_window; got softcap={softcap}, "
+                f"sliding_window={sliding_window}. Use DynamicSDPA."
+            )
+        super().__init__(scale)
+        load_llama_custom_ops()
+
+    def forward(self, q, k, v, q_pos, k_pos, mask=None):
+        start = q_pos[0].item()
+        torch._check(start >= 0)
+        torch._check(start < k.shape[1])
+        return torch.ops.llama.custom_sdpa(q, k, v, start, None, 0, True, self.scale)

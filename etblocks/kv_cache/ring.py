@@ -1,0 +1,60 @@
+"""Sliding-window KV cache: memory proportional to the window, not the context."""
+
+from __future__ import annotations
+
+import torch
+
+from etblocks.kv_cache.base import KVCache
+
+
+class RingKVCache(KVCache):
+    """Keeps the last `window` positions; position p lives in slot `p % window`.
+
+    `update` returns the ring's old contents followed by the new rows, so a chunk of any length T attends to
+    every key its window needs (up to window - 1 cached plus the chunk itself); then the ring keeps the last
+    `window` positions. Use with a position-masked SDPA (`DynamicSDPA`).
+    """
+
+    def __init__(
+        self,
+        max_batch_size: int,
+        window: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__(max_batch_size, window, n_kv_heads, head_dim, dtype)
+
+    @property
+    def window(self) -> int:
+        return self.k_cache.shape[1]
+
+    def _allocate(self, length: int) -> None:
+        super()._allocate(length)
+        self.register_buffer("slot_positions", torch.full((length,), -1, dtype=torch.long), persistent=False)
+
+    def reset(self) -> None:
+        super().reset()
+        self.slot_positions.fill_(-1)
+
+    def resize(self, max_seq_len: int) -> None:
+        """The ring is sized by its window; a context length does not change it."""
+        self.reset()
+
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        k_all = torch.cat((self.k_cache, k), dim=1)
+        v_all = torch.cat((self.v_cache, v), dim=1)
+        k_pos = torch.cat((self.slot_positions, input_pos))
+        # After the write, slot s holds the latest position p <= last with p % window == s. It is a new row
+        # (at index window + p - start of the concatenation) if p >= start, else the slot keeps its old row.
+        # A gather rather than slicing the last `window` rows: no branch on T, so T stays dynamic in export.
+        window = self.window
+        start, last = input_pos[:1], input_pos[-1:]
+        slots = torch.arange(window, device=input_pos.device)
+        latest = last - torch.remainder(last - slots, window)
+        is_new = latest >= start
+        source = torch.where(is_new, window + latest - start, slots)
+        self.k_cache.copy_(k_all.index_select(1, source))
+        self.v_cache.copy_(v_all.index_select(1, source))
+        self.slot_positions.copy_(torch.where(is_new, latest, self.slot_positions))
+        return k_all, v_all, k_pos

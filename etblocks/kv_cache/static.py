@@ -1,0 +1,46 @@
+"""Positional KV cache updated in place: slot i holds position i."""
+
+from __future__ import annotations
+
+import torch
+
+from etblocks.kv_cache.base import KVCache
+
+
+class StaticKVCache(KVCache):
+    """Full-length cache written at `input_pos[0]`, with `llama::update_cache` or a portable `index_copy_`.
+
+    The custom op keeps the write in place inside XNNPACK programs; `index_copy_` needs no custom kernels.
+    """
+
+    def __init__(
+        self,
+        max_batch_size: int,
+        max_seq_len: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        use_custom_op: bool = False,
+    ) -> None:
+        super().__init__(max_batch_size, max_seq_len, n_kv_heads, head_dim, dtype)
+        self.use_custom_op = use_custom_op
+        if use_custom_op:
+            from etblocks.attention.sdpa import load_llama_custom_ops
+
+            load_llama_custom_ops()
+
+    def _allocate(self, length: int) -> None:
+        super()._allocate(length)
+        self.register_buffer("positions", torch.arange(length), persistent=False)
+
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        if self.use_custom_op:
+            start = input_pos[0].item()
+            torch._check(start >= 0)
+            torch._check(start < self.max_seq_len)
+            torch.ops.llama.update_cache(k, self.k_cache, start)
+            torch.ops.llama.update_cache(v, self.v_cache, start)
+        else:
+            self.k_cache.index_copy_(1, input_pos, k)
+            self.v_cache.index_copy_(1, input_pos, v)
+        return self.k_cache, self.v_cache, self.positions

@@ -1,0 +1,1 @@
+"""Converters and glue for Hugging Face transformers models."""

@@ -1,0 +1,38 @@
+"""The thin layer between transformers' attention call and an etblocks `Attention` block."""
+
+from __future__ import annotations
+
+import torch
+
+from etblocks.attention.mha import Attention
+
+
+class HFAttention(Attention):
+    """An `Attention` block that accepts transformers' attention call and returns `(output, None)`.
+
+    It keeps its own KV cache: transformers' `cache` argument is ignored, and the absolute positions come from
+    `position_ids` (`[1, T]`), which the HF decoder layers pass down. `position_embeddings` are the `(cos, sin)`
+    the HF model computed for this layer, so every rope variant the model knows is reproduced exactly.
+    Parameter names stay the upstream ones (`q_proj`, `o_proj`, `q_norm`, ...), so state dicts and adapter
+    targets do not change. `use_rope=False` marks a layer without rotation (SmolLM3's NoPE layers).
+    """
+
+    use_rope: bool = True
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache=None,
+        position_ids: torch.Tensor | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        if position_ids is None:
+            raise ValueError(
+                "etblocks attention needs position_ids from the decoder layer; this model does not pass them"
+            )
+        if position_ids.shape[0] != 1:
+            raise ValueError(f"etblocks caches hold one sequence; got position_ids of shape {tuple(position_ids.shape)}")
+        rope = position_embeddings if self.use_rope else None
+        return super().forward(hidden_states, position_ids[0], position_embeddings=rope), None

@@ -1,0 +1,94 @@
+"""Build an etblocks attention block from a transformers attention module, moving (not copying) its weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from etblocks.attention.sdpa import SDPA, CustomSDPA, DynamicSDPA
+from etblocks.kv_cache.ring import RingKVCache
+from etblocks.kv_cache.static import StaticKVCache
+from etblocks.swap.hf.adapter import HFAttention
+from etblocks.swap.registry import SwapContext
+
+
+@dataclass(frozen=True)
+class HFAttentionLayout:
+    """Where a family keeps each part of its attention.
+
+    qk_norm: None, or "head" (norm over head_dim, before rope), "full" (over the whole projection width) or
+        "heads_first" (a norm that expects `[B, H, T, D]`).
+    window_in_config: the family reads `config.sliding_window` for every layer instead of a per-module attribute.
+    """
+
+    qkv: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
+    o_proj: str = "o_proj"
+    qk_norm: str | None = None
+    q_norm: str = "q_norm"
+    k_norm: str = "k_norm"
+    softcap_attr: str | None = None
+    window_in_config: bool = False
+
+
+def sliding_window_of(module: nn.Module, layout: HFAttentionLayout) -> int | None:
+    if layout.window_in_config:
+        return getattr(module.config, "sliding_window", None)
+    return getattr(module, "sliding_window", None)
+
+
+def build_attention(
+    module: nn.Module, layout: HFAttentionLayout, ctx: SwapContext, sliding_window: int | None = ...
+) -> HFAttention:
+    """An `HFAttention` holding `module`'s projections and norms, with cache and SDPA chosen by the recipe.
+
+    `sliding_window` overrides what the layout reads (for families that decide per layer in code).
+    """
+    head_dim = module.head_dim
+    if len(layout.qkv) == 1:
+        qkv_proj = getattr(module, layout.qkv[0])
+        q_proj = k_proj = v_proj = None
+        n_heads = module.config.num_attention_heads
+        n_kv_heads = module.config.num_key_value_heads
+    else:
+        qkv_proj = None
+        q_proj, k_proj, v_proj = (getattr(module, name) for name in layout.qkv)
+        n_heads = q_proj.out_features // head_dim
+        n_kv_heads = k_proj.out_features // head_dim
+    window = sliding_window_of(module, layout) if sliding_window is ... else sliding_window
+    if window is not None and window >= ctx.max_seq_len:
+        window = None  # the window never binds within this context: a full cache is both exact and smaller
+    softcap = getattr(module, layout.softcap_attr) if layout.softcap_attr else None
+    weight = (qkv_proj if qkv_proj is not None else q_proj).weight
+    sdpa, cache = _sdpa_and_cache(module.scaling, softcap, window, n_kv_heads, head_dim, weight.dtype, ctx)
+    block = HFAttention(
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        sdpa=sdpa,
+        kv_cache=cache,
+        q_proj=q_proj,
+        k_proj=k_proj,
+        v_proj=v_proj,
+        qkv_proj=qkv_proj,
+        o_proj=getattr(module, layout.o_proj),
+        q_norm=getattr(module, layout.q_norm) if layout.qk_norm else None,
+        k_norm=getattr(module, layout.k_norm) if layout.qk_norm else None,
+        qk_norm_layout=layout.qk_norm or "head",
+    )
+    block.layer_idx = getattr(module, "layer_idx", None)
+    block.use_rope = bool(getattr(module, "use_rope", True))
+    return block.to(weight.device)
+
+
+def _sdpa_and_cache(scale, softcap, window, n_kv_heads, head_dim, dtype, ctx: SwapContext) -> tuple[SDPA, nn.Module]:
+    recipe = ctx.recipe
+    if window is not None:
+        cache = RingKVCache(ctx.max_batch_size, window, n_kv_heads, head_dim, dtype)
+        return DynamicSDPA(scale, softcap, window), cache
+    cache = StaticKVCache(
+        ctx.max_batch_size, ctx.max_seq_len, n_kv_heads, head_dim, dtype, use_custom_op=recipe.cache_update == "custom"
+    )
+    if recipe.sdpa == "custom" and softcap is None:
+        return CustomSDPA(scale), cache
+    return DynamicSDPA(scale, softcap), cache

@@ -1,0 +1,69 @@
+"""transformers families with a registered converter: one layout line each.
+
+Decoder layers, MLPs and norms stay upstream; only attention is replaced. A family is listed here once its
+parity (eager logits and exported greedy tokens against upstream `generate`) is tested.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+from etblocks.swap.hf.convert import HFAttentionLayout, build_attention
+from etblocks.swap.registry import ATTENTION, SwapContext
+
+STANDARD = HFAttentionLayout()
+HEAD_NORM = HFAttentionLayout(qk_norm="head")
+
+# model_type -> (attention class name, layout)
+FAMILIES: dict[str, tuple[str, HFAttentionLayout]] = {
+    "llama": ("LlamaAttention", STANDARD),
+    "mistral": ("MistralAttention", HFAttentionLayout(window_in_config=True)),
+    "qwen2": ("Qwen2Attention", STANDARD),
+    "qwen3": ("Qwen3Attention", HEAD_NORM),
+    "gemma": ("GemmaAttention", STANDARD),
+    "gemma2": ("Gemma2Attention", HFAttentionLayout(softcap_attr="attn_logit_softcapping")),
+    "gemma3": ("Gemma3Attention", HFAttentionLayout(qk_norm="head", softcap_attr="attn_logit_softcapping")),
+    "phi3": ("Phi3Attention", HFAttentionLayout(qkv=("qkv_proj",), window_in_config=True)),
+    "smollm3": ("SmolLM3Attention", STANDARD),
+    "olmo2": ("Olmo2Attention", HFAttentionLayout(qk_norm="full")),
+    "granite": ("GraniteAttention", STANDARD),
+    "stablelm": ("StableLmAttention", STANDARD),
+    "exaone4": ("Exaone4Attention", HEAD_NORM),
+}
+
+# StableLM's optional per-head LayerNorms expect `[B, H, T, D]`.
+STABLELM_QK_NORM = HFAttentionLayout(qk_norm="heads_first", q_norm="q_layernorm", k_norm="k_layernorm")
+
+
+def _exaone4(module: nn.Module, ctx: SwapContext) -> nn.Module:
+    """EXAONE 4 stores the window on every layer but uses it, and rope, only on sliding layers (when it has any)."""
+    block = build_attention(module, HEAD_NORM, ctx, sliding_window=module.sliding_window if module.is_sliding else None)
+    block.use_rope = module.sliding_window is None or module.is_sliding
+    return block
+
+
+def _stablelm(module: nn.Module, ctx: SwapContext) -> nn.Module:
+    return build_attention(module, STABLELM_QK_NORM if module.qk_layernorm else STANDARD, ctx)
+
+
+SPECIAL_CONVERTERS = {"exaone4": _exaone4, "stablelm": _stablelm}
+
+
+def _converter(layout: HFAttentionLayout):
+    def convert(module: nn.Module, ctx: SwapContext) -> nn.Module:
+        return build_attention(module, layout, ctx)
+
+    return convert
+
+
+def register_families() -> None:
+    """Register every family whose transformers module imports here (a missing one is simply not offered)."""
+    for model_type, (class_name, layout) in FAMILIES.items():
+        try:
+            module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+        except ImportError:
+            continue
+        converter = SPECIAL_CONVERTERS.get(model_type) or _converter(layout)
+        ATTENTION.register(getattr(module, class_name))(converter)

@@ -1,0 +1,90 @@
+"""Tiny transformers models with random weights, one config per family, shared by the tests."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+VOCAB = 128
+WINDOW = 6  # sliding windows are shorter than every test prompt
+
+BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=None,  # no EOS: greedy runs always produce the full token count on both sides
+    initializer_range=0.3,  # the 0.02 default makes tiny random models repeat one token
+)
+
+# name -> (model_type, overrides). Each entry exercises what that family adds over llama.
+FAMILIES: dict[str, tuple[str, dict]] = {
+    "llama": ("llama", {}),
+    "llama3_rope": (
+        "llama",
+        dict(
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=10000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=32,
+            )
+        ),
+    ),
+    "mistral": ("mistral", dict(sliding_window=WINDOW)),
+    "qwen2": ("qwen2", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1, attention_bias=True)),
+    "qwen3": ("qwen3", {}),
+    "gemma": ("gemma", {}),
+    "gemma2": ("gemma2", dict(sliding_window=WINDOW, attn_logit_softcapping=5.0, final_logit_softcapping=10.0)),
+    "gemma3_text": ("gemma3_text", dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])),
+    "phi3": ("phi3", dict(partial_rotary_factor=0.5)),
+    "smollm3": ("smollm3", dict(num_hidden_layers=4)),  # layer 3 is a NoPE layer
+    "olmo2": ("olmo2", {}),
+    "granite": (
+        "granite",
+        dict(embedding_multiplier=2.0, attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.0),
+    ),
+    "stablelm": ("stablelm", dict(qk_layernorm=True, use_parallel_residual=True)),
+    "exaone4": ("exaone4", dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])),
+}
+
+# Families with no registered converter that the structural fallback handles.
+FALLBACK_FAMILIES: dict[str, tuple[str, dict]] = {
+    "olmo": ("olmo", {}),
+    "starcoder2": ("starcoder2", {}),
+    "olmo3": ("olmo3", dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])),
+    "hunyuan_v1_dense": ("hunyuan_v1_dense", {}),
+}
+
+
+def tiny_model(model_type: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    config = AutoConfig.for_model(model_type, **{**BASE, **overrides})
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def original_and_copy(model_type: str, **overrides):
+    """The untouched upstream model and a deep copy to swap."""
+    original = tiny_model(model_type, **overrides)
+    return original, copy.deepcopy(original)
+
+
+def prompt_ids(length: int = 12, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (1, length), generator=generator)
+
+
+def hf_greedy(model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(prompt, do_sample=False, max_new_tokens=max_new_tokens)
+    return out[0, prompt.shape[1] :].tolist()

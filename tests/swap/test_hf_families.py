@@ -1,0 +1,92 @@
+"""Every registered family: swapped eager logits and exported greedy tokens against untouched transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_models import FALLBACK_FAMILIES, FAMILIES, hf_greedy, original_and_copy, prompt_ids
+
+import etblocks
+from etblocks.attention import CustomSDPA, DynamicSDPA
+from etblocks.kv_cache import RingKVCache
+from etblocks.swap.hf.adapter import HFAttention
+
+LOGIT_ATOL = 1e-4  # fp32
+NEW_TOKENS = 32
+PORTABLE_FAMILIES = ("llama", "gemma2", "qwen3", "phi3")
+
+
+def _eager_parity(name: str, families: dict) -> None:
+    model_type, overrides = families[name]
+    original, swapped = original_and_copy(model_type, **overrides)
+    etblocks.swap(swapped, backend="xnnpack", max_seq_len=64)
+    assert all(isinstance(m, HFAttention) for n, m in swapped.named_modules() if n.endswith("self_attn"))
+    tokens = prompt_ids(20)
+    with torch.no_grad():
+        expected = original(tokens).logits
+        actual = swapped(tokens).logits
+    error = (actual - expected).abs().max().item()
+    assert error <= LOGIT_ATOL, f"{name}: max abs logit error {error:.3g}"
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_swapped_logits_match_upstream(name):
+    _eager_parity(name, FAMILIES)
+
+
+@pytest.mark.parametrize("name", sorted(FALLBACK_FAMILIES))
+def test_structural_fallback_logits_match_upstream(name):
+    _eager_parity(name, FALLBACK_FAMILIES)
+
+
+def _exported_tokens_match(name: str, families: dict, backend: str, tmp_path) -> etblocks.ExportResult:
+    model_type, overrides = families[name]
+    original, swapped = original_and_copy(model_type, **overrides)
+    etblocks.swap(swapped, backend=backend, max_seq_len=64)
+    result = etblocks.export(swapped, backend=backend, out=tmp_path / f"{name}.pte")
+    prompt = prompt_ids(12)
+    expected = hf_greedy(original, prompt, NEW_TOKENS)
+    actual = etblocks.Runner(result.path).generate(prompt[0].tolist(), max_new_tokens=NEW_TOKENS)
+    assert len(set(expected)) > 4, "degenerate reference: the test would not tell models apart"
+    assert actual == expected
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_xnnpack_greedy_matches_hf_generate(name, tmp_path):
+    result = _exported_tokens_match(name, FAMILIES, "xnnpack", tmp_path)
+    assert result.delegation.ops_per_delegate.get("XnnpackBackend", 0) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", PORTABLE_FAMILIES)
+def test_portable_greedy_matches_hf_generate(name, tmp_path):
+    result = _exported_tokens_match(name, FAMILIES, "portable", tmp_path)
+    assert result.delegation.partitions == []
+    assert "llama.custom_sdpa" not in result.delegation.cpu_ops
+
+
+@pytest.mark.slow
+def test_fallback_family_exports(tmp_path):
+    _exported_tokens_match("olmo3", FALLBACK_FAMILIES, "xnnpack", tmp_path)
+
+
+def test_recipe_picks_blocks_per_layer():
+    """xnnpack: custom SDPA on full layers, ring cache + position-masked SDPA on sliding layers."""
+    model_type, overrides = FAMILIES["gemma3_text"]
+    _, swapped = original_and_copy(model_type, **overrides)
+    etblocks.swap(swapped, backend="xnnpack", max_seq_len=64)
+    sliding, full = (layer.self_attn for layer in swapped.model.layers)
+    assert isinstance(sliding.kv_cache, RingKVCache) and sliding.kv_cache.window == overrides["sliding_window"]
+    assert isinstance(sliding.sdpa, DynamicSDPA)
+    assert isinstance(full.sdpa, CustomSDPA) and full.kv_cache.max_seq_len == 64
+
+
+def test_state_dict_keeps_upstream_names_and_shares_weights():
+    original, swapped = original_and_copy("qwen3")
+    before = {k: v.data_ptr() for k, v in swapped.state_dict().items()}
+    etblocks.swap(swapped, backend="xnnpack", max_seq_len=32)
+    after = {k: v.data_ptr() for k, v in swapped.state_dict().items()}
+    assert after == before  # same keys, same storage: weights moved, not copied
+    assert set(after) == set(original.state_dict())

@@ -1,0 +1,149 @@
+"""Each typed error: raised early, naming the value and what is accepted, leaving the model untouched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_models import original_and_copy, prompt_ids, tiny_model
+
+import etblocks
+from etblocks.errors import BackendUnavailableError, ConfigError, ContextOverflowError, UnsupportedModelError
+from etblocks.export import backends
+from etblocks.swap.hf.fallback import infer_layout
+
+
+def _snapshot(model):
+    return {name: type(module) for name, module in model.named_modules()}, {
+        k: v.clone() for k, v in model.state_dict().items()
+    }
+
+
+def _assert_untouched(model, snapshot):
+    modules, state = snapshot
+    assert {name: type(module) for name, module in model.named_modules()} == modules
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert getattr(model, "etblocks_swap", None) is None
+
+
+def test_unknown_architecture_names_class_and_supported():
+    model = tiny_model("gpt2", n_embd=64, n_layer=2, n_head=4)  # fused c_attn Conv1D: fits no layout
+    snapshot = _snapshot(model)
+    with pytest.raises(UnsupportedModelError, match=r"GPT2Attention.*supported attention classes: \[.*LlamaAttention"):
+        etblocks.swap(model, backend="xnnpack")
+    _assert_untouched(model, snapshot)
+
+
+def test_probe_mismatch_names_module_and_error_size():
+    # GLM rotates interleaved pairs: the structural fallback accepts its layout, the probe catches the rope.
+    model = tiny_model("glm")
+    assert infer_layout(model.model.layers[0].self_attn) is not None
+    snapshot = _snapshot(model)
+    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.0\.self_attn \(GlmAttention\).*max abs error [0-9.e+-]+ > tolerance"):
+        etblocks.swap(model, backend="xnnpack", max_seq_len=32)
+    _assert_untouched(model, snapshot)
+
+
+def test_registered_converter_mismatch_is_caught_too():
+    """A wrong converter registered by a user is caught by the same probe."""
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    from etblocks.swap.hf.convert import HFAttentionLayout, build_attention
+    from etblocks.swap.registry import ATTENTION
+
+    class SkewedAttention(LlamaAttention):
+        pass
+
+    @etblocks.register(SkewedAttention)
+    def wrong(module, ctx):
+        block = build_attention(module, HFAttentionLayout(), ctx)
+        block.use_rope = False  # drops the rotation: outputs differ
+        return block
+
+    model = tiny_model("llama")
+    for layer in model.model.layers:
+        layer.self_attn.__class__ = SkewedAttention
+    try:
+        with pytest.raises(UnsupportedModelError, match="SkewedAttention"):
+            etblocks.swap(model, backend="xnnpack", max_seq_len=32)
+    finally:
+        ATTENTION._converters.pop(SkewedAttention)
+
+
+def test_max_seq_len_beyond_positions():
+    original, model = original_and_copy("llama", max_position_embeddings=64)
+    with pytest.raises(ConfigError, match=r"max_seq_len=100 .*max_position_embeddings=64.*2\.\.64"):
+        etblocks.swap(model, backend="xnnpack", max_seq_len=100)
+    etblocks.swap(model, backend="xnnpack", max_seq_len=32)
+    with pytest.raises(ConfigError, match=r"max_seq_len=65"):
+        etblocks.export(model, backend="xnnpack", out="unused.pte", max_seq_len=65)
+
+
+def test_unknown_backend():
+    _, model = original_and_copy("llama")
+    with pytest.raises(ConfigError, match=r"backend='tpu'.*accepted: \['portable', 'xnnpack'\]"):
+        etblocks.swap(model, backend="tpu")
+    with pytest.raises(ConfigError, match=r"backend='tpu' is unknown; accepted: \['coreml', 'openvino', 'portable', 'qnn', 'vulkan', 'xnnpack'\]"):
+        etblocks.export(model, backend="tpu", out="unused.pte")
+
+
+def test_unknown_recipe_option():
+    _, model = original_and_copy("llama")
+    with pytest.raises(ConfigError, match=r"sdpa='flash' is not accepted; choose one of \['custom', 'dynamic'\]"):
+        etblocks.swap(model, backend="xnnpack", sdpa="flash")
+
+
+def test_qnn_without_sdk_is_unavailable(monkeypatch):
+    monkeypatch.delenv("QNN_SDK_ROOT", raising=False)
+    _, model = original_and_copy("llama")
+    etblocks.swap(model, backend="xnnpack", max_seq_len=32)
+    with pytest.raises(BackendUnavailableError, match="QNN_SDK_ROOT"):
+        etblocks.export(model, backend="qnn", out="unused.pte")
+
+
+def test_backend_not_installed(monkeypatch):
+    missing = backends.Backend("openvino", "openvino_not_here", "pip install 'etblocks[openvino]'", "OpenvinoBackend", list)
+    monkeypatch.setitem(backends.BACKENDS, "openvino", missing)
+    _, model = original_and_copy("llama")
+    with pytest.raises(BackendUnavailableError, match=r"backend='openvino' is not installed .*pip install 'etblocks\[openvino\]'"):
+        etblocks.export(model, backend="openvino", out="unused.pte")
+
+
+def test_export_before_swap():
+    model = tiny_model("llama")
+    with pytest.raises(ConfigError, match="has not been swapped"):
+        etblocks.export(model, backend="xnnpack", out="unused.pte")
+
+
+def test_swap_twice():
+    _, model = original_and_copy("llama")
+    etblocks.swap(model, backend="xnnpack", max_seq_len=32)
+    with pytest.raises(ConfigError, match="already swapped"):
+        etblocks.swap(model, backend="portable")
+
+
+@pytest.fixture(scope="module")
+def small_program(tmp_path_factory):
+    _, model = original_and_copy("llama")
+    etblocks.swap(model, backend="xnnpack", max_seq_len=16)
+    return etblocks.export(model, backend="xnnpack", out=tmp_path_factory.mktemp("ctx") / "m.pte").path
+
+
+@pytest.mark.slow
+def test_prompt_longer_than_context(small_program):
+    runner = etblocks.Runner(small_program)
+    with pytest.raises(ContextOverflowError, match=r"prompt of 17 tokens at position 0 .* context is 16"):
+        runner.generate(list(range(3, 20)), max_new_tokens=1)
+
+
+@pytest.mark.slow
+def test_generation_past_context_is_refused_before_running(small_program):
+    runner = etblocks.Runner(small_program)
+    prompt = prompt_ids(10)[0].tolist()
+    with pytest.raises(ContextOverflowError, match=r"needs 17 positions.*context is 16 \(at most 7 new tokens fit"):
+        runner.generate(prompt, max_new_tokens=8)
+    assert runner.pos == 0
+    assert len(runner.generate(prompt, max_new_tokens=7)) == 7  # exactly fills the context
+    with pytest.raises(ContextOverflowError):
+        runner.generate([5], max_new_tokens=1)
+    runner.reset()
+    assert len(runner.generate(prompt, max_new_tokens=2)) == 2
