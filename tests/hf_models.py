@@ -45,8 +45,15 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "qwen2": ("qwen2", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1, attention_bias=True)),
     "qwen3": ("qwen3", {}),
     "gemma": ("gemma", {}),
-    "gemma2": ("gemma2", dict(sliding_window=WINDOW, attn_logit_softcapping=5.0, final_logit_softcapping=10.0)),
-    "gemma3_text": ("gemma3_text", dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])),
+    # Untied: with tied random embeddings gemma2/3 greedy-decode one token forever.
+    "gemma2": (
+        "gemma2",
+        dict(sliding_window=WINDOW, attn_logit_softcapping=5.0, final_logit_softcapping=10.0, tie_word_embeddings=False),
+    ),
+    "gemma3_text": (
+        "gemma3_text",
+        dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False),
+    ),
     "phi3": ("phi3", dict(partial_rotary_factor=0.5)),
     "smollm3": ("smollm3", dict(num_hidden_layers=4)),  # layer 3 is a NoPE layer
     "olmo2": ("olmo2", {}),

@@ -103,5 +103,5 @@ class CustomSDPA(SDPA):
     def forward(self, q, k, v, q_pos, k_pos, mask=None):
         start = q_pos[0].item()
         torch._check(start >= 0)
-        torch._check(start < k.shape[1])
+        torch._check(start + q.shape[1] <= k.shape[1])  # the kernel aborts the process past the cache
         return torch.ops.llama.custom_sdpa(q, k, v, start, None, 0, True, self.scale)

@@ -10,9 +10,13 @@ from etblocks.kv_cache.base import KVCache
 class RingKVCache(KVCache):
     """Keeps the last `window` positions; position p lives in slot `p % window`.
 
-    `update` returns the ring's old contents followed by the new rows, so a chunk of any length T attends to
-    every key its window needs (up to window - 1 cached plus the chunk itself); then the ring keeps the last
-    `window` positions. Use with a position-masked SDPA (`DynamicSDPA`).
+    `update` returns the ring's contents followed by the new rows, so a chunk of any length T attends to every
+    key its window needs (up to window - 1 cached plus the chunk itself); then the ring keeps the last `window`
+    positions. Use with a position-masked SDPA (`DynamicSDPA`).
+
+    Slot positions are stored plus one, so the all-zero state is "empty": ExecuTorch starts mutable buffers at
+    zero, whatever their value at export. Only slots holding a position before the chunk are offered to
+    attention, so rows left from an earlier sequence are never read after the runner restarts at position 0.
     """
 
     def __init__(
@@ -29,32 +33,40 @@ class RingKVCache(KVCache):
     def window(self) -> int:
         return self.k_cache.shape[1]
 
+    @property
+    def slot_positions(self) -> torch.Tensor:
+        """Absolute position held by each slot, -1 for empty."""
+        return self.slot_positions_plus_one - 1
+
     def _allocate(self, length: int) -> None:
         super()._allocate(length)
-        self.register_buffer("slot_positions", torch.full((length,), -1, dtype=torch.long), persistent=False)
+        self.register_buffer("slot_positions_plus_one", torch.zeros(length, dtype=torch.long), persistent=False)
 
     def reset(self) -> None:
         super().reset()
-        self.slot_positions.fill_(-1)
+        self.slot_positions_plus_one.zero_()
 
     def resize(self, max_seq_len: int) -> None:
         """The ring is sized by its window; a context length does not change it."""
         self.reset()
 
     def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        window = self.window
+        start, last = input_pos[:1], input_pos[-1:]
+        cached_pos = self.slot_positions
+        cached_pos = torch.where(cached_pos < start, cached_pos, -1)  # empty, or stale from an older sequence
         k_all = torch.cat((self.k_cache, k), dim=1)
         v_all = torch.cat((self.v_cache, v), dim=1)
-        k_pos = torch.cat((self.slot_positions, input_pos))
+        k_pos = torch.cat((cached_pos, input_pos))
         # After the write, slot s holds the latest position p <= last with p % window == s. It is a new row
         # (at index window + p - start of the concatenation) if p >= start, else the slot keeps its old row.
         # A gather rather than slicing the last `window` rows: no branch on T, so T stays dynamic in export.
-        window = self.window
-        start, last = input_pos[:1], input_pos[-1:]
+        # Operands stay non-negative: ExecuTorch's integer remainder follows C (sign of the dividend).
         slots = torch.arange(window, device=input_pos.device)
-        latest = last - torch.remainder(last - slots, window)
+        latest = last - torch.remainder(last + window - slots, window)
         is_new = latest >= start
         source = torch.where(is_new, window + latest - start, slots)
         self.k_cache.copy_(k_all.index_select(1, source))
         self.v_cache.copy_(v_all.index_select(1, source))
-        self.slot_positions.copy_(torch.where(is_new, latest, self.slot_positions))
+        self.slot_positions_plus_one.copy_(torch.where(is_new, latest + 1, self.slot_positions_plus_one))
         return k_all, v_all, k_pos

@@ -37,7 +37,7 @@ class StaticKVCache(KVCache):
         if self.use_custom_op:
             start = input_pos[0].item()
             torch._check(start >= 0)
-            torch._check(start < self.max_seq_len)
+            torch._check(start + k.shape[1] <= self.max_seq_len)  # the kernel skips an overflowing write silently
             torch.ops.llama.update_cache(k, self.k_cache, start)
             torch.ops.llama.update_cache(v, self.v_cache, start)
         else:

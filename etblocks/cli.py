@@ -1,0 +1,360 @@
+"""The `etblocks` command: `export`, `run` and `backends`.
+
+    etblocks export --model demo|PATH --backend xnnpack --out model.pte --max-seq-len 256 [--no-verify]
+                    [--sdpa custom|dynamic] [--config file.yaml]
+    etblocks run --pte model.pte (--prompt-ids 1,2,3 | --prompt TEXT --tokenizer tokenizer.json)
+                 --max-new-tokens 32 [--temperature T --top-p P --seed S] [--config file.yaml]
+    etblocks backends [NAME ...]
+
+Every option of `export` and `run` can also come from a YAML file (`--config`, see `etblocks.config`); flags
+override the file. Errors etblocks expects (bad options, unsupported models, missing backends) print
+`error: <message>` and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+from etblocks.config import Resolved, load_config, resolve
+from etblocks.errors import ConfigError, EtblocksError
+
+EXIT_ERROR = 2
+DEMO = "demo"
+
+
+# ----------------------------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="etblocks",
+        description="Export transformer LLMs to ExecuTorch .pte programs, run them, and see which backends work here.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    export = commands.add_parser(
+        "export",
+        help="swap a model's attention for a backend and export it to a .pte",
+        description="Load a model, swap its attention for the backend's blocks (verified against the original), "
+        "export, lower and write a .pte. Flags override the --config file.",
+    )
+    export.add_argument("--model", help="'demo' (tiny Llama, random weights) or a local HF checkpoint directory")
+    export.add_argument("--backend", help="ExecuTorch backend (default: xnnpack); `etblocks backends` lists them")
+    export.add_argument("--out", help="where to write the .pte (default: model.pte)")
+    export.add_argument("--max-seq-len", type=int, metavar="N", help="context length (default: the model's, at most 2048)")
+    export.add_argument(
+        "--verify",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compare each swapped layer with the original before changing the model (default: on)",
+    )
+    export.add_argument("--sdpa", help="attention kernel: custom (llama::custom_sdpa) or dynamic (plain torch); default: the recipe's")
+    _common(export)
+    export.set_defaults(handler=cmd_export)
+
+    run = commands.add_parser(
+        "run",
+        help="generate tokens with an exported .pte",
+        description="Generate with a .pte written by `etblocks export`, through the ExecuTorch runtime. "
+        "Flags override the --config file.",
+    )
+    run.add_argument("--pte", help="the .pte to run (default: the config's pte, else its out)")
+    prompt = run.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt-ids", metavar="IDS", help="comma-separated prompt token ids, e.g. 1,2,3")
+    prompt.add_argument("--prompt", metavar="TEXT", help="prompt text (needs --tokenizer)")
+    run.add_argument("--tokenizer", metavar="JSON", help="a tokenizer.json (HF tokenizers) to encode --prompt and decode the output")
+    run.add_argument("--max-new-tokens", type=int, metavar="N", help="tokens to generate at most (default: 32)")
+    run.add_argument("--temperature", type=float, metavar="T", help="0 is greedy (default: 0)")
+    run.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling mass in (0, 1] (default: 1)")
+    run.add_argument("--seed", type=int, metavar="S", help="random seed for sampling")
+    _common(run)
+    run.set_defaults(handler=cmd_run)
+
+    backends = commands.add_parser(
+        "backends",
+        help="which backends are installed, lower and run here",
+        description="Try every known backend on a tiny nn.Linear: import, lower, run and compare with eager.",
+    )
+    backends.add_argument("names", nargs="*", metavar="NAME", help="backends to probe (default: all)")
+    backends.add_argument("-v", "--verbose", action="store_true", help="show the backends' own logs and warnings")
+    backends.set_defaults(handler=cmd_backends)
+    return parser
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="YAML", help="YAML file with the same options (keys as the flags, with _)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show library warnings and logs")
+
+
+def _options(command: str, args: argparse.Namespace, names: list[str]) -> Resolved:
+    config = load_config(args.config) if args.config else None
+    flags = {name: getattr(args, name, None) for name in names}
+    return resolve(command, flags, config)
+
+
+# ----------------------------------------------------------------------------------------------- export
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    options = _options("export", args, ["model", "backend", "out", "max_seq_len", "verify", "sdpa"])
+    say = _progress()
+    model_name = options["model"]
+    if model_name is None:
+        raise ConfigError(f"model is not set; give --model {DEMO} or --model PATH (a local HF checkpoint directory), or `model:` in a config file")
+    backend, overrides, dtype = _check_backend(options)
+    out = Path(options["out"])
+
+    import etblocks
+
+    if model_name == DEMO:
+        from etblocks.demo import DEMO_DESCRIPTION, demo_model
+
+        say("loading the demo model: RANDOM weights, for demonstration only")
+        model = demo_model()
+        print(f"NOTE: {DEMO_DESCRIPTION}", flush=True)
+    else:
+        say(f"loading {model_name}")
+        model = load_checkpoint(model_name, dtype=dtype)
+
+    max_seq_len = options["max_seq_len"]
+    verify = options["verify"]
+    say(f"swapping attention for {backend}" + (" and verifying each layer against the original" if verify else " (verification off)"))
+    start = time.perf_counter()
+    etblocks.swap(model, backend=backend, max_seq_len=max_seq_len, verify=verify, **overrides)
+    swap_seconds = time.perf_counter() - start
+    info = model.etblocks_swap
+    say(f"swapped {len(info.converted)} attention modules (sdpa={info.recipe.sdpa}, max_seq_len={info.max_seq_len})")
+
+    result = etblocks.export(model, backend=backend, out=out, max_seq_len=info.max_seq_len, progress=say)
+    seconds = {"swap": swap_seconds, **result.seconds}
+    print(_export_summary(result, model_name, seconds), flush=True)
+    return 0
+
+
+def _check_backend(options: Resolved) -> tuple[str, dict, Any]:
+    """Backend, recipe overrides and the recipe's dtype, checked before any model is loaded."""
+    from etblocks.export.backends import BACKENDS, partitioners_for
+    from etblocks.swap.recipes import RECIPES, resolve_recipe
+
+    backend = options["backend"]
+    exportable = sorted(name for name in RECIPES if name in BACKENDS)
+    if backend not in BACKENDS:
+        raise ConfigError(
+            f"{options.where('backend')}: backend={backend!r} is not accepted; accepted: {exportable} "
+            f"(known to ExecuTorch here: {sorted(BACKENDS)}; `etblocks backends` shows what works on this machine)"
+        )
+    if backend not in RECIPES:
+        raise ConfigError(
+            f"{options.where('backend')}: backend={backend!r} is a known ExecuTorch backend but etblocks has no swap "
+            f"recipe for it yet; accepted: {exportable}"
+        )
+    overrides = {} if options["sdpa"] is None else {"sdpa": options["sdpa"]}
+    try:
+        recipe = resolve_recipe(backend, **overrides)
+    except ConfigError as exc:
+        raise ConfigError(f"{options.where('sdpa')}: {exc}") from None
+    partitioners_for(backend)  # BackendUnavailableError now rather than after minutes of work
+    return backend, overrides, recipe.dtype
+
+
+def load_checkpoint(path: str | Path, dtype=None):
+    """`AutoModelForCausalLM.from_pretrained(path, local_files_only=True)` for a local checkpoint directory;
+    `ConfigError` naming the path and what it must contain otherwise."""
+    path = Path(path)
+    needs = "give 'demo' or a local Hugging Face checkpoint directory containing config.json and *.safetensors weights"
+    if not path.exists():
+        raise ConfigError(f"model={str(path)!r} does not exist; {needs}")
+    if not path.is_dir():
+        raise ConfigError(f"model={str(path)!r} is a file, not a directory; {needs}")
+    missing = [
+        what
+        for what, present in (("config.json", (path / "config.json").is_file()), ("*.safetensors", any(path.glob("*.safetensors"))))
+        if not present
+    ]
+    if missing:
+        found = sorted(p.name for p in path.iterdir())
+        listing = ", ".join(found[:8]) + (", ..." if len(found) > 8 else "") if found else "nothing"
+        raise ConfigError(f"model={str(path)!r} has no {' and no '.join(missing)} (it holds: {listing}); {needs}")
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"local_files_only": True}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    except Exception as exc:  # transformers raises many types here (OSError, ValueError, KeyError, ...)
+        raise ConfigError(
+            f"model={str(path)!r} could not be loaded with AutoModelForCausalLM.from_pretrained: "
+            f"{type(exc).__name__}: {_first_line(exc)}; {needs}"
+        ) from exc
+    return model.eval()
+
+
+def _export_summary(result, model_name: str, seconds: dict[str, float]) -> str:
+    metadata = ", ".join(f"{k}={v}" for k, v in result.metadata.items())
+    timings = ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items())
+    weights = "RANDOM weights (demo model, for demonstration only)" if model_name == DEMO else f"from {model_name}"
+    lines = [
+        f"exported {result.path}",
+        f"  size        {result.size_mb:.2f} MB",
+        f"  backend     {result.backend}",
+        f"  model       {weights}",
+        f"  methods     {', '.join(result.methods)}",
+        f"  delegation  {result.delegation}",
+        f"  metadata    {metadata}",
+        f"  time        {timings}",
+        f"next: etblocks run --pte {result.path} --prompt-ids 1,2,3 --max-new-tokens 16",
+    ]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------- run
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    names = ["pte", "prompt_ids", "prompt", "tokenizer", "max_new_tokens", "temperature", "top_p", "seed"]
+    options = _options("run", args, names)
+    if options["pte"] is None:
+        raise ConfigError("pte is not set; give --pte model.pte (or `pte:` in a config file)")
+    if options["prompt_ids"] is not None and options["prompt"] is not None:
+        raise ConfigError(
+            f"both prompt_ids ({options.where('prompt_ids')}) and prompt ({options.where('prompt')}) are set; give one"
+        )
+    if options["prompt_ids"] is None and options["prompt"] is None:
+        raise ConfigError("no prompt; give --prompt-ids 1,2,3 or --prompt TEXT --tokenizer tokenizer.json")
+    if options["prompt"] is not None and options["tokenizer"] is None:
+        raise ConfigError(f"prompt ({options.where('prompt')}) needs a tokenizer; give --tokenizer tokenizer.json")
+    say = _progress()
+    tokenizer = load_tokenizer(options["tokenizer"]) if options["tokenizer"] else None
+    if options["prompt"] is not None:
+        prompt_ids = tokenizer.encode(options["prompt"]).ids
+        if not prompt_ids:
+            raise ConfigError(f"prompt={options['prompt']!r} encodes to no tokens with {options['tokenizer']}")
+    else:
+        prompt_ids = options["prompt_ids"]
+
+    say(f"loading {options['pte']}")
+    runner = load_runner(options["pte"])
+    say(f"generating up to {options['max_new_tokens']} tokens after a prompt of {len(prompt_ids)}")
+    start = time.perf_counter()
+    new_ids = runner.generate(
+        prompt_ids,
+        max_new_tokens=options["max_new_tokens"],
+        temperature=options["temperature"],
+        top_p=options["top_p"],
+        seed=options["seed"],
+    )
+    elapsed = time.perf_counter() - start
+    stopped = "EOS" if new_ids and new_ids[-1] in runner.eos_ids else "max_new_tokens"
+    print(f"prompt ids: {','.join(map(str, prompt_ids))}")
+    print(f"generated ids: {','.join(map(str, new_ids))}")
+    if tokenizer is not None:
+        print(f"text: {tokenizer.decode(new_ids)}")
+    print(f"{len(new_ids)} tokens in {elapsed:.2f} s ({len(new_ids) / max(elapsed, 1e-9):.1f} tok/s incl. prefill); stopped at {stopped}")
+    sys.stdout.flush()
+    return 0
+
+
+def load_tokenizer(path: str | Path):
+    """A `tokenizers.Tokenizer` from a tokenizer.json; `ConfigError` if the file or the package is missing."""
+    path = Path(path)
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ConfigError(
+            f"tokenizer={str(path)!r} needs the `tokenizers` package, which is not installed: "
+            "pip install tokenizers (or pip install 'etblocks[test]')"
+        ) from None
+    if not path.is_file():
+        raise ConfigError(f"tokenizer={str(path)!r} is not a file; give a tokenizer.json (Hugging Face tokenizers format)")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:
+        raise ConfigError(
+            f"tokenizer={str(path)!r} is not a tokenizer.json the `tokenizers` library can read: {_first_line(exc)}"
+        ) from None
+
+
+def load_runner(path: str | Path):
+    from etblocks.export.runner import Runner
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"pte={str(path)!r} is not a file; give the .pte written by `etblocks export`")
+    try:
+        return Runner(path)
+    except EtblocksError:
+        raise
+    except Exception as exc:  # the runtime raises RuntimeError/ValueError for files it cannot load
+        raise ConfigError(
+            f"pte={str(path)!r} could not be loaded by the ExecuTorch runtime ({type(exc).__name__}: {_first_line(exc)}); "
+            "give a .pte written by `etblocks export`"
+        ) from None
+
+
+# ----------------------------------------------------------------------------------------------- backends
+
+
+def cmd_backends(args: argparse.Namespace) -> int:
+    from etblocks.export.backends import get_backend
+    from etblocks.probe import format_table, probe_backends
+
+    for name in args.names:
+        get_backend(name)  # ConfigError listing the accepted names
+    say = _progress()
+    reports = probe_backends(args.names or None, quiet=not args.verbose, on_start=lambda name: say(f"probing {name}"))
+    print(format_table(reports), flush=True)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------- main
+
+
+def _progress() -> Callable[[str], None]:
+    start = time.perf_counter()
+
+    def say(message: str) -> None:
+        print(f"[{time.perf_counter() - start:6.1f}s] {message}", flush=True)
+
+    return say
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return lines[0].strip() if lines else ""
+
+
+def _quiet_libraries(verbose: bool) -> None:
+    """Hide the deprecation chatter of torch, executorch and friends unless asked for."""
+    if verbose:
+        return
+    for category in (FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category)
+    warnings.filterwarnings("ignore", message=".*Mutation on a buffer in the model is detected.*")
+    for name in ("torchao", "torch.utils._pytree", "coremltools"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _quiet_libraries(args.verbose)
+    try:
+        return args.handler(args)
+    except EtblocksError as exc:
+        sys.stdout.flush()
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,338 @@
+"""The `etblocks` command end to end: export the demo model, run it against HF `generate`, errors, backends."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from etblocks.cli import main
+from etblocks.demo import demo_model
+from etblocks.probe import format_table, probe_backend
+
+MAX_SEQ_LEN = 32
+PROMPT = [1, 5, 9, 30, 7]
+
+
+def etblocks_command() -> list[str]:
+    exe = shutil.which("etblocks") or str(Path(sys.executable).with_name("etblocks"))
+    assert Path(exe).is_file(), "the `etblocks` console script is not installed (pip install -e .)"
+    return [exe]
+
+
+def run_cli(args: list[str], cwd: Path, module: bool = False, timeout: int = 900) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "etblocks"] if module else etblocks_command()
+    return subprocess.run(command + args, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens, do_sample=False,
+        )
+    return out[0, len(prompt):].tolist()
+
+
+def error_line(stderr: str) -> str:
+    """The CLI's one-line `error: ...` (the runtime's C++ logs may precede it on stderr)."""
+    lines = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, stderr
+    return lines[0]
+
+
+def ids_line(stdout: str, label: str) -> list[int]:
+    match = re.search(rf"^{label}: ([\d,]+)$", stdout, re.MULTILINE)
+    assert match, f"no '{label}:' line in:\n{stdout}"
+    return [int(t) for t in match.group(1).split(",")]
+
+
+@pytest.fixture(scope="module")
+def demo_export(tmp_path_factory):
+    """`etblocks export --model demo` once per module, in a subprocess. The config file's backend, out and
+    max_seq_len are overridden by the flags."""
+    work = tmp_path_factory.mktemp("export")
+    (work / "export.yaml").write_text("backend: portable\nout: ignored.pte\nmax_seq_len: 64\nverify: true\n")
+    proc = run_cli(
+        ["export", "--config", "export.yaml", "--model", "demo", "--backend", "xnnpack", "--out", "out/demo.pte",
+         "--max-seq-len", str(MAX_SEQ_LEN)],
+        cwd=work,
+    )
+    return work, work / "out" / "demo.pte", proc
+
+
+@pytest.fixture(scope="module")
+def demo_hf():
+    return demo_model(seed=0)
+
+
+# ------------------------------------------------------------------------------------------ demo model
+
+
+def test_demo_model_is_tiny_seeded_llama(demo_hf):
+    from transformers import LlamaForCausalLM
+
+    config = demo_hf.config
+    assert isinstance(demo_hf, LlamaForCausalLM)
+    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.num_key_value_heads) == (2, 64, 4, 2)
+    assert (config.vocab_size, config.max_position_embeddings) == (256, 512)
+    again, other = demo_model(seed=0), demo_model(seed=1)
+    weight = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(again.state_dict()[weight], demo_hf.state_dict()[weight])
+    assert not torch.equal(other.state_dict()[weight], demo_hf.state_dict()[weight])
+    torch.manual_seed(123)  # building the demo does not disturb the caller's random stream
+    first = torch.rand(1)
+    torch.manual_seed(123)
+    demo_model(seed=5)
+    assert torch.equal(torch.rand(1), first)
+
+
+# ------------------------------------------------------------------------------------------ export + run
+
+
+@pytest.mark.slow
+def test_export_demo_end_to_end(demo_export):
+    work, pte, proc = demo_export
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert pte.is_file() and pte.stat().st_size > 100_000
+    assert not (work / "ignored.pte").exists()  # --out overrode the config's out
+    out = proc.stdout
+    assert "random weights" in out.lower() and "demonstration" in out.lower()
+    for step in ("loading", "swapping attention for xnnpack and verifying", "exporting", "lowering to xnnpack", "serializing"):
+        assert step in out, f"no progress line for {step!r}:\n{out}"
+    assert f"exported out{os.sep}demo.pte" in out
+    assert re.search(r"size\s+\d+\.\d+ MB", out)
+    assert re.search(r"delegation\s+\d+ partitions \(XnnpackBackend: \d+ ops\)", out)
+    assert f"get_max_seq_len={MAX_SEQ_LEN}," in out  # --max-seq-len overrode the config's 64
+    assert "get_vocab_size=256" in out and "get_eos_ids=[2]" in out
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_run_prompt_ids_matches_hf_generate(demo_export, demo_hf):
+    work, pte, export_proc = demo_export
+    assert export_proc.returncode == 0, export_proc.stderr[-3000:]
+    proc = run_cli(["run", "--pte", str(pte), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "12"], cwd=work)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    generated = ids_line(proc.stdout, "generated ids")
+    expected = hf_greedy(demo_hf, PROMPT, 12)
+    assert len(set(expected)) > 3, "the demo model should give varied greedy tokens"
+    assert generated == expected
+    assert ids_line(proc.stdout, "prompt ids") == PROMPT
+
+
+@pytest.mark.slow
+def test_run_text_prompt_with_tokenizer(demo_export, demo_hf, tmp_path, capsys):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    tokenizer = tokenizers.Tokenizer(WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+
+    _, pte, _ = demo_export
+    code = main(["run", "--pte", str(pte), "--prompt", "t1 t5 t9 t30", "--tokenizer", str(tmp_path / "tokenizer.json"),
+                 "--max-new-tokens", "6"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert ids_line(out, "prompt ids") == [1, 5, 9, 30]
+    expected = hf_greedy(demo_hf, [1, 5, 9, 30], 6)
+    assert ids_line(out, "generated ids") == expected
+    assert f"text: {' '.join(f't{i}' for i in expected)}" in out
+
+
+@pytest.mark.slow
+def test_run_from_config_uses_export_out_and_flags_override(demo_export, demo_hf, tmp_path, capsys):
+    _, pte, _ = demo_export
+    config = tmp_path / "run.yaml"
+    config.write_text(f"out: {pte}\nprompt_ids: [{', '.join(map(str, PROMPT))}]\nmax_new_tokens: 10\n")
+    assert main(["run", "--config", str(config), "--max-new-tokens", "3"]) == 0
+    assert ids_line(capsys.readouterr().out, "generated ids") == hf_greedy(demo_hf, PROMPT, 3)
+
+
+@pytest.mark.slow
+def test_run_sampling_is_reproducible_with_seed(demo_export, capsys):
+    _, pte, _ = demo_export
+    args = ["run", "--pte", str(pte), "--prompt-ids", "1,2,3", "--max-new-tokens", "8", "--temperature", "1.5",
+            "--top-p", "0.95", "--seed", "7"]
+    assert main(args) == 0
+    first = ids_line(capsys.readouterr().out, "generated ids")
+    assert main(args) == 0
+    assert ids_line(capsys.readouterr().out, "generated ids") == first
+
+
+@pytest.mark.slow
+def test_run_overflowing_the_context_exits_2(demo_export, capsys):
+    _, pte, _ = demo_export
+    code = main(["run", "--pte", str(pte), "--prompt-ids", "1,2,3", "--max-new-tokens", str(MAX_SEQ_LEN)])
+    err = error_line(capsys.readouterr().err)
+    assert code == 2
+    assert f"context is {MAX_SEQ_LEN}" in err
+
+
+@pytest.mark.slow
+def test_export_local_checkpoint_dir_matches_hf(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from etblocks.export import Runner
+
+    checkpoint = tmp_path / "tiny-llama"
+    demo_model(seed=1).save_pretrained(checkpoint)
+    assert (checkpoint / "config.json").is_file() and list(checkpoint.glob("*.safetensors"))
+    out = tmp_path / "tiny.pte"
+    code = main(["export", "--model", str(checkpoint), "--backend", "portable", "--out", str(out),
+                 "--max-seq-len", str(MAX_SEQ_LEN), "--sdpa", "dynamic"])
+    stdout = capsys.readouterr().out
+    assert code == 0
+    assert out.is_file()
+    assert f"loading {checkpoint}" in stdout and "random weights" not in stdout.lower()
+    assert "swapping attention for portable" in stdout and "sdpa=dynamic" in stdout
+
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, local_files_only=True).eval()
+    expected = hf_greedy(reference, PROMPT, 8)
+    assert Runner(out).generate(PROMPT, max_new_tokens=8) == expected
+    assert expected != hf_greedy(demo_model(seed=0), PROMPT, 8)  # the checkpoint, not the demo, was exported
+
+
+# ------------------------------------------------------------------------------------------ errors
+
+
+def test_malformed_yaml_exits_2_with_message(tmp_path):
+    (tmp_path / "bad.yaml").write_text("model: demo\nbackend: [xnnpack\n")
+    proc = run_cli(["export", "--config", "bad.yaml"], cwd=tmp_path, module=True)  # also covers python -m etblocks
+    assert proc.returncode == 2
+    assert error_line(proc.stderr).startswith("error: config file 'bad.yaml' is not valid YAML, line 3")
+    assert "Traceback" not in proc.stderr
+    assert not list(tmp_path.glob("*.pte"))
+
+
+def test_unknown_key_in_config_exits_2(tmp_path, capsys):
+    (tmp_path / "c.yaml").write_text("model: demo\nmax_len: 32\n")
+    assert main(["export", "--config", str(tmp_path / "c.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "line 2: unknown key 'max_len'" in err and "max_seq_len" in err
+
+
+def test_missing_config_file_exits_2(tmp_path, capsys):
+    assert main(["run", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "missing.yaml' does not exist" in capsys.readouterr().err
+
+
+def test_unknown_backend_exits_2_listing_accepted(tmp_path, capsys):
+    code = main(["export", "--model", "demo", "--backend", "tpu", "--out", str(tmp_path / "x.pte")])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert error_line(captured.err).startswith("error: --backend: backend='tpu' is not accepted; accepted: ")
+    assert "'xnnpack'" in captured.err and "'portable'" in captured.err
+    assert "loading" not in captured.out  # rejected before any model is loaded
+    assert not (tmp_path / "x.pte").exists()
+
+
+def test_unknown_backend_from_config_names_the_line(tmp_path, capsys):
+    (tmp_path / "c.yaml").write_text("model: demo\nbackend: npu\n")
+    assert main(["export", "--config", str(tmp_path / "c.yaml")]) == 2
+    assert "c.yaml', line 2: backend='npu' is not accepted" in capsys.readouterr().err
+
+
+def test_bad_sdpa_exits_2(capsys):
+    assert main(["export", "--model", "demo", "--sdpa", "flash"]) == 2
+    assert "sdpa='flash'" in capsys.readouterr().err
+
+
+def test_model_not_set_exits_2(capsys):
+    assert main(["export"]) == 2
+    assert "model is not set" in capsys.readouterr().err
+
+
+def test_missing_model_dir_exits_2(tmp_path, capsys):
+    missing = tmp_path / "no-such-model"
+    assert main(["export", "--model", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert str(missing) in err and "does not exist" in err and "config.json" in err and "*.safetensors" in err
+
+
+def test_model_dir_without_weights_exits_2(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["export", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path) in err and "has no *.safetensors" in err and "config.json" in err
+
+
+def test_model_dir_with_invalid_files_exits_2(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{not json")
+    (tmp_path / "model.safetensors").write_bytes(b"garbage")
+    assert main(["export", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"model='{tmp_path}' could not be loaded with AutoModelForCausalLM.from_pretrained" in err
+
+
+def test_run_errors_exit_2(tmp_path, capsys):
+    bogus = tmp_path / "bogus.pte"
+    bogus.write_bytes(b"not a program at all")
+    cases = [
+        (["run", "--prompt-ids", "1"], "pte is not set"),
+        (["run", "--pte", str(tmp_path / "none.pte"), "--prompt-ids", "1"], "none.pte' is not a file"),
+        (["run", "--pte", str(bogus), "--prompt-ids", "1"], "could not be loaded by the ExecuTorch runtime"),
+        (["run", "--pte", str(bogus)], "no prompt"),
+        (["run", "--pte", str(bogus), "--prompt", "hi"], "needs a tokenizer"),
+        (["run", "--pte", str(bogus), "--prompt-ids", "1,-2"], "--prompt-ids: prompt_ids='1,-2'"),
+        (["run", "--pte", str(bogus), "--prompt", "hi", "--tokenizer", str(tmp_path / "t.json")], "t.json' is not a file"),
+    ]
+    for args, expected in cases:
+        assert main(args) == 2, args
+        err = error_line(capsys.readouterr().err)
+        assert expected in err, (args, err)
+
+
+def test_missing_tokenizers_package_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # makes `import tokenizers` raise ImportError
+    code = main(["run", "--pte", str(tmp_path / "x.pte"), "--prompt", "hi", "--tokenizer", "tokenizer.json"])
+    assert code == 2
+    assert "needs the `tokenizers` package" in capsys.readouterr().err
+
+
+def test_prompt_and_prompt_ids_are_exclusive(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text("prompt: hello\n")
+    assert main(["run", "--config", str(config), "--pte", "x.pte", "--prompt-ids", "1"]) == 2
+    assert "both prompt_ids (--prompt-ids) and prompt" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:  # both as flags: argparse refuses, also with code 2
+        main(["run", "--prompt", "a", "--prompt-ids", "1"])
+    assert info.value.code == 2
+
+
+# ------------------------------------------------------------------------------------------ backends
+
+
+def test_probe_qnn_without_sdk(monkeypatch):
+    monkeypatch.delenv("QNN_SDK_ROOT", raising=False)
+    report = probe_backend("qnn")
+    assert report.lowers.ok is False and report.lowers.note == "needs QNN_SDK_ROOT"
+    assert report.runs.ok is None
+    assert "needs QNN_SDK_ROOT" in format_table([report])
+
+
+def test_backends_unknown_name_exits_2(capsys):
+    assert main(["backends", "tpu"]) == 2
+    assert "backend='tpu' is unknown; accepted:" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_backends_table(monkeypatch, capsys):
+    monkeypatch.delenv("QNN_SDK_ROOT", raising=False)
+    assert main(["backends"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line and not line.startswith("[")}
+    assert rows["backend"][:2] == ["backend", "installed"]
+    for name in ("xnnpack", "portable"):
+        assert rows[name][1:4] == ["yes", "yes", "yes"], out  # installed, lowers here, runs here
+    assert "max abs err vs eager" in " ".join(rows["xnnpack"])
+    assert set(rows) >= {"openvino", "coreml", "vulkan", "qnn"}
+    assert rows["qnn"][2] == "no" and "needs QNN_SDK_ROOT" in " ".join(rows["qnn"])
