@@ -7,7 +7,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from etblocks.attention.rope import RotaryEmbedding, apply_rotary
+from etblocks.attention.rope import RotaryEmbedding, apply_rotary, rotate_half_matrix
 from etblocks.attention.sdpa import SDPA
 from etblocks.kv_cache.base import KVCache
 from etblocks.kv_cache.io import IOKVCache
@@ -57,6 +57,7 @@ class Attention(nn.Module):
         self.q_norm, self.k_norm = q_norm, k_norm
         self.qk_norm_layout = qk_norm_layout
         self.rope = rope
+        self.register_buffer("rotation", rotate_half_matrix(head_dim), persistent=False)
         self.sdpa = sdpa
         self.kv_cache = kv_cache
 
@@ -87,18 +88,19 @@ class Attention(nn.Module):
                 return q, k
             position_embeddings = self.rope(input_pos)
         cos, sin = position_embeddings
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return apply_rotary(q, cos, sin, self.rotation), apply_rotary(k, cos, sin, self.rotation)
 
     def attend(self, q, k, v, q_pos, k_pos, mask=None) -> torch.Tensor:
         return self.sdpa(q, k, v, q_pos, k_pos, mask)
 
     def forward(self, x: torch.Tensor, input_pos: torch.Tensor, position_embeddings=None, kv=None, mask=None):
-        bsz, seq_len, _ = x.shape
+        bsz = x.shape[0]
         q, k, v = self.project_qkv(x)
         q, k = self.normalize_qk(q, k, per_head=False)
-        q = q.view(bsz, seq_len, self.n_heads, self.head_dim)
-        k = k.view(bsz, seq_len, self.n_kv_heads, self.head_dim)
-        v = v.view(bsz, seq_len, self.n_kv_heads, self.head_dim)
+        # -1 rather than the (dynamic) length: XNNPACK delegates reshapes whose only non-constant size is inferred.
+        q = q.view(bsz, -1, self.n_heads, self.head_dim)
+        k = k.view(bsz, -1, self.n_kv_heads, self.head_dim)
+        v = v.view(bsz, -1, self.n_kv_heads, self.head_dim)
         q, k = self.normalize_qk(q, k, per_head=True)
         q, k = self.rotate(q, k, input_pos, position_embeddings)
 
@@ -107,10 +109,10 @@ class Attention(nn.Module):
                 raise ValueError("an Attention with an IOKVCache needs kv=(k_cache, v_cache) and an additive mask")
             k_all, v_all = self.kv_cache.update(k, v, *kv)
             y = self.attend(q, k_all, v_all, input_pos, None, mask)
-            return self.o_proj(y.reshape(bsz, seq_len, -1)), k, v
+            return self.o_proj(y.reshape(bsz, -1, self.n_heads * self.head_dim)), k, v
         if self.kv_cache is None:
             k_all, v_all, k_pos = k, v, input_pos
         else:
             k_all, v_all, k_pos = self.kv_cache.update(input_pos, k, v)
         y = self.attend(q, k_all, v_all, input_pos, k_pos, mask)
-        return self.o_proj(y.reshape(bsz, seq_len, -1))
+        return self.o_proj(y.reshape(bsz, -1, self.n_heads * self.head_dim))

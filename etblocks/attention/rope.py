@@ -59,12 +59,30 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x [B, T, H, D]` by `cos, sin [..., T, R]` with R <= D (partial rotary leaves dims R: untouched)."""
-    cos = cos.unsqueeze(-2).to(x.dtype)
-    sin = sin.unsqueeze(-2).to(x.dtype)
+def rotate_half_matrix(dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`R [dim, dim]` with `x @ R == rotate_half(x)`: one matmul instead of slices and a concat, which
+    XNNPACK cannot delegate on a dynamic length. Exact: each output is one input times +-1."""
+    half = dim // 2
+    matrix = torch.zeros(dim, dim, dtype=dtype)
+    matrix[torch.arange(half) + half, torch.arange(half)] = -1.0
+    matrix[torch.arange(half), torch.arange(half) + half] = 1.0
+    return matrix
+
+
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotation: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Rotate `x [B, T, H, D]` by `cos, sin [..., T, R]` with R <= D (partial rotary leaves dims R: untouched).
+
+    `rotation` (`rotate_half_matrix(D)`) replaces the slice-and-concat of a full rotation with a matmul.
+    """
+    # Insert the head axis with a reshape that infers T: a plain unsqueeze of a dynamic length stays on CPU.
+    table_shape = (*cos.shape[:-2], -1, 1, cos.shape[-1])
+    cos = cos.reshape(table_shape).to(x.dtype)
+    sin = sin.reshape(table_shape).to(x.dtype)
     rotary_dim = cos.shape[-1]
     if rotary_dim == x.shape[-1]:
-        return x * cos + rotate_half(x) * sin
+        rotated = torch.matmul(x, rotation) if rotation is not None else rotate_half(x)
+        return x * cos + rotated * sin
     x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
     return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)

@@ -13,6 +13,7 @@ from torch import nn
 from etblocks.errors import ConfigError
 from etblocks.export.backends import partitioners_for
 from etblocks.export.delegation import DelegationSummary, summarize
+from etblocks.export.passes import BACKEND_PASSES
 from etblocks.export.programs import DynamicProgram, dynamic_program
 from etblocks.kv_cache.base import reset_caches
 from etblocks.swap.recipes import RECIPES
@@ -61,6 +62,8 @@ def export(
     start = time.perf_counter()
     say(f"exporting with torch.export (T dynamic in 1..{program.max_seq_len})")
     exported = _torch_export(program)
+    for rewrite in BACKEND_PASSES.get(backend, []):
+        rewrite(exported)
     seconds["export"] = time.perf_counter() - start
 
     start = time.perf_counter()

@@ -1,0 +1,716 @@
+"""Compare LLM decode paths to ExecuTorch/XNNPACK on the SmolLM2-135M shape (fp32, random weights).
+
+One run prints one table: decode tok/s (greedy), prefill tok/s, export+lower seconds, .pte MB, each
+as a ratio to row (a), decode as % of the memory roofline, and how many greedy tokens agree with
+eager transformers. Rows:
+
+  a  etblocks xnnpack                      (etblocks.swap + etblocks.export)
+  b  transformers static-cache export      (TorchExportableModuleForDecoderOnlyLM, token-by-token prefill)
+  c  ExecuTorch llama example              (construct_transformer + custom SDPA + custom KV cache)
+  d  transformers ExecutorchExporter       (export_for_generation: prefill + decode, KV cache as inputs)
+  e  eager PyTorch (reference, not run by default)
+
+Every row is timed the same way: all rows are exported and loaded first (`executorch.runtime.Runtime`) and
+warmed up, then timed in `--rounds` interleaved rounds (row a, b, c, ..., a, b, c, ...), each round one prefill
+of the prompt followed by `--decode-steps` greedy decode steps; each row reports the median and range of its
+rounds. Interleaving and medians keep the comparison fair on this shared host (other jobs run on the same two
+cores; read bandwidth swings 15-40 GB/s over seconds). The roofline bandwidth is sampled in every round too, and
+its median is used.
+
+    python benchmarks/decode.py                        # full 30-layer run of a,b,c,d
+    python benchmarks/decode.py --layers 2 --rows b,c  # smoke run
+
+To add a row, write a `(Bench, Row) -> Driver` function (export, fill in `row.export_s` and `row.pte_mb`, return
+a loaded driver) and add a `PathSpec` for it to `PATHS`; raise `Unavailable` when the path cannot run here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+# --------------------------------------------------------------------------------------------------
+# Shape, settings and results
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The model shape (SmolLM2-135M by default) and the context length."""
+
+    layers: int = 30
+    hidden: int = 576
+    heads: int = 9
+    kv_heads: int = 3
+    head_dim: int = 64
+    intermediate: int = 1536
+    vocab: int = 49152
+    max_seq_len: int = 256
+    norm_eps: float = 1e-5
+    rope_theta: float = 100000.0
+
+    def weight_bytes_per_token(self, bytes_per_param: int = 4) -> int:
+        """Weight bytes one decoded token reads: every linear plus the lm_head (the tied embedding counts once,
+        as lm_head; the embedding row gather, norms and KV cache are left out)."""
+        q_o = 2 * self.hidden * self.heads * self.head_dim
+        k_v = 2 * self.hidden * self.kv_heads * self.head_dim
+        mlp = 3 * self.hidden * self.intermediate
+        return ((q_o + k_v + mlp) * self.layers + self.vocab * self.hidden) * bytes_per_param
+
+
+@dataclass
+class Bench:
+    """Settings shared by every row."""
+
+    shape: Shape
+    prompt: list[int]
+    decode_steps: int
+    rounds: int
+    out_dir: Path
+    seed: int
+    init_range: float
+
+
+class Unavailable(Exception):
+    """A path that cannot run here (e.g. not implemented yet); the row shows the reason."""
+
+
+@dataclass
+class Row:
+    """One row of the table, filled in by its path function; `status` is "ok" or why it has no numbers."""
+
+    key: str
+    name: str
+    status: str = "ok"
+    export_s: float | None = None
+    pte_mb: float | None = None
+    decode_runs: list[float] = field(default_factory=list)  # tok/s, one per round
+    prefill_runs: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    note: str = ""
+
+    @property
+    def decode_tps(self) -> float | None:
+        """Median decode tok/s over the rounds."""
+        return statistics.median(self.decode_runs) if self.decode_runs else None
+
+    @property
+    def prefill_tps(self) -> float | None:
+        """Median prefill tok/s over the rounds."""
+        return statistics.median(self.prefill_runs) if self.prefill_runs else None
+
+
+class Driver(Protocol):
+    """Runs a loaded model one greedy step at a time; both calls return the argmax next token."""
+
+    def prefill(self, prompt: list[int]) -> int: ...
+
+    def decode(self, token: int, pos: int) -> int: ...
+
+
+# --------------------------------------------------------------------------------------------------
+# Shared helpers
+
+
+def build_hf_model(bench: Bench) -> torch.nn.Module:
+    """A transformers LlamaForCausalLM with the benchmark shape and seeded random weights (fp32, eval)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    s = bench.shape
+    config = LlamaConfig(
+        num_hidden_layers=s.layers,
+        hidden_size=s.hidden,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads,
+        head_dim=s.head_dim,
+        intermediate_size=s.intermediate,
+        vocab_size=s.vocab,
+        tie_word_embeddings=True,
+        rms_norm_eps=s.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": s.rope_theta},
+        max_position_embeddings=8192,
+        initializer_range=bench.init_range,
+        pad_token_id=0,
+    )
+    torch.manual_seed(bench.seed)
+    return LlamaForCausalLM(config).to(torch.float32).eval()
+
+
+def pte_megabytes(*paths: Path) -> float:
+    """Total size of the given files in MB (1e6 bytes)."""
+    return sum(Path(p).stat().st_size for p in paths) / 1e6
+
+
+def argmax_last(logits: torch.Tensor) -> int:
+    """Greedy token from logits shaped [..., vocab] (the last position if there are several)."""
+    return int(logits.reshape(-1, logits.shape[-1])[-1].argmax())
+
+
+def load_method(path: Path, name: str = "forward") -> Any:
+    """Load one method of a .pte with the Python ExecuTorch runtime (llama custom ops registered)."""
+    import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (llama::custom_sdpa, update_cache)
+    from executorch.runtime import Runtime
+
+    return Runtime.get().load_program(Path(path)).load_method(name)
+
+
+def lower_to_xnnpack(exported: Any, path: Path, **to_executorch_kwargs: Any) -> None:
+    """Lower an ExportedProgram to XNNPACK and write the .pte."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+
+    program = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()]).to_executorch(
+        **to_executorch_kwargs
+    )
+    with open(path, "wb") as f:
+        program.write_to_file(f)
+
+
+def warm_up(driver: Driver, bench: Bench) -> None:
+    """One untimed prefill and two decode steps."""
+    token = driver.prefill(bench.prompt)
+    for i in range(2):
+        token = driver.decode(token, len(bench.prompt) + i)
+
+
+def time_round(driver: Driver, bench: Bench) -> tuple[float, float, list[int]]:
+    """One timed prefill of the prompt, then `bench.decode_steps` timed greedy decode steps. Returns (prefill
+    tok/s, decode tok/s, tokens): the prefill's next token and one per decode step."""
+    n = len(bench.prompt)
+    start = time.perf_counter()
+    tokens = [driver.prefill(bench.prompt)]
+    prefill_tps = n / (time.perf_counter() - start)
+    start = time.perf_counter()
+    for i in range(bench.decode_steps):
+        tokens.append(driver.decode(tokens[-1], n + i))
+    return prefill_tps, bench.decode_steps / (time.perf_counter() - start), tokens
+
+
+# --------------------------------------------------------------------------------------------------
+# Drivers
+
+
+class TokensPosDriver:
+    """A program with `forward(tokens int64 [1,T], input_pos int64 [1]) -> logits` and its KV cache as
+    mutable buffers; prefill is one call when T is dynamic, else token by token (`token_by_token`)."""
+
+    def __init__(self, path: Path, token_by_token: bool = False):
+        self.method = load_method(path)
+        self.token_by_token = token_by_token
+
+    def _step(self, tokens: list[int], pos: int) -> int:
+        ids = torch.tensor([tokens], dtype=torch.long)
+        (logits,) = self.method.execute([ids, torch.tensor([pos], dtype=torch.long)])
+        return argmax_last(logits)
+
+    def prefill(self, prompt: list[int]) -> int:
+        if not self.token_by_token:
+            return self._step(prompt, 0)
+        for pos, token in enumerate(prompt):
+            next_token = self._step([token], pos)
+        return next_token
+
+    def decode(self, token: int, pos: int) -> int:
+        return self._step([token], pos)
+
+
+class GenerationExportDriver:
+    """transformers' `export_for_generation` programs: `prefill(input_ids, position_ids, cache...)` and
+    `decode(input_ids, attention_mask, position_ids, cache...)`, the StaticCache's tensors flattened as
+    graph inputs and returned as outputs, which the next call takes back."""
+
+    def __init__(self, prefill_path: Path, decode_path: Path, prefill_leaves: int, decode_leaves: int, layers: int,
+                 max_cache_len: int):
+        self.prefill_method = load_method(prefill_path)
+        self.decode_method = load_method(decode_path)
+        self.prefill_leaves, self.decode_leaves = prefill_leaves, decode_leaves
+        self.layers, self.max_cache_len = layers, max_cache_len
+        self.cache: list[torch.Tensor] = []
+
+    def prefill(self, prompt: list[int]) -> int:
+        ids = torch.tensor([prompt], dtype=torch.long)
+        positions = torch.arange(len(prompt), dtype=torch.long)[None]
+        write_pointers = [torch.tensor(0, dtype=torch.long) for _ in range(self.layers)]
+        outputs = self.prefill_method.execute([ids, positions, *write_pointers])
+        logits, *self.cache = outputs[-self.prefill_leaves :]
+        return argmax_last(logits)
+
+    def decode(self, token: int, pos: int) -> int:
+        mask = (torch.arange(self.max_cache_len) <= pos)[None, None, None]
+        inputs = [torch.tensor([[token]], dtype=torch.long), mask, torch.tensor([[pos]], dtype=torch.long)]
+        outputs = self.decode_method.execute([*inputs, *self.cache])
+        logits, *self.cache = outputs[-self.decode_leaves :]
+        return argmax_last(logits)
+
+
+class EagerDriver:
+    """The transformers model in eager PyTorch with a DynamicCache (reference only)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.cache: Any = None
+
+    @torch.no_grad()
+    def prefill(self, prompt: list[int]) -> int:
+        out = self.model(input_ids=torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
+        self.cache = out.cache
+        return argmax_last(out.logits)
+
+    @torch.no_grad()
+    def decode(self, token: int, pos: int) -> int:
+        out = self.model(input_ids=torch.tensor([[token]]), cache=self.cache, position_ids=torch.tensor([[pos]]))
+        self.cache = out.cache
+        return argmax_last(out.logits)
+
+
+# --------------------------------------------------------------------------------------------------
+# Paths: one function per row, `(bench, row) -> Driver`: export, fill in export_s and pte_mb, load
+
+
+def path_etblocks(bench: Bench, row: Row) -> Driver:
+    """(a) etblocks: swap the transformers model's blocks, export to XNNPACK, `forward(tokens, input_pos)`."""
+    try:
+        from etblocks import export, swap
+    except ImportError as e:
+        raise Unavailable(str(e)) from e
+    model = build_hf_model(bench)
+    path = bench.out_dir / "a_etblocks.pte"
+    start = time.perf_counter()
+    with torch.no_grad():
+        model = swap(model, backend="xnnpack", max_seq_len=bench.shape.max_seq_len) or model
+        result = export(model, backend="xnnpack", out=path, max_seq_len=bench.shape.max_seq_len)
+    row.export_s = time.perf_counter() - start
+    del model
+    gc.collect()
+    row.pte_mb = pte_megabytes(result.path)
+    return TokensPosDriver(Path(result.path))
+
+
+def path_hf_static(bench: Bench, row: Row) -> Driver:
+    """(b) transformers `TorchExportableModuleForDecoderOnlyLM` (StaticCache buffers, strict export, static
+    shapes [1,1]) lowered to XNNPACK; prefill feeds the prompt one token at a time."""
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+    row.note = "prefill token by token (static [1,1] shapes)"
+    model = build_hf_model(bench)
+    model.generation_config.cache_implementation = "static"
+    path = bench.out_dir / "b_hf_static.pte"
+    start = time.perf_counter()
+    wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=bench.shape.max_seq_len)
+    with torch.no_grad():
+        exported = wrapper.export(
+            input_ids=torch.tensor([[1]], dtype=torch.long),
+            cache_position=torch.tensor([0], dtype=torch.long),
+            strict=True,
+        )
+        lower_to_xnnpack(exported, path)
+    row.export_s = time.perf_counter() - start
+    del model, wrapper, exported
+    gc.collect()
+    row.pte_mb = pte_megabytes(path)
+    return TokensPosDriver(path, token_by_token=True)
+
+
+def llama_example_model(bench: Bench) -> torch.nn.Module:
+    """ExecuTorch's llama `Transformer` with the benchmark shape, holding the same weights as `build_hf_model`
+    (HF rope layout, so q/k rows need no permutation)."""
+    from executorch.examples.models.llama.llama_transformer import construct_transformer
+    from executorch.examples.models.llama.model_args import ModelArgs
+
+    s = bench.shape
+    args = ModelArgs(
+        dim=s.hidden,
+        n_layers=s.layers,
+        n_heads=s.heads,
+        n_kv_heads=s.kv_heads,
+        head_dim=s.head_dim,
+        hidden_dim=s.intermediate,
+        vocab_size=s.vocab,
+        norm_eps=s.norm_eps,
+        rope_theta=s.rope_theta,
+        use_hf_rope=True,
+        max_batch_size=1,
+        max_seq_len=s.max_seq_len,
+        max_context_len=s.max_seq_len,
+        use_kv_cache=True,
+        enable_dynamic_shape=True,
+        generate_full_logits=False,
+    )
+    model = construct_transformer(args).eval()
+    hf = build_hf_model(bench).state_dict()
+    state = {
+        "tok_embeddings.weight": hf["model.embed_tokens.weight"],
+        "norm.weight": hf["model.norm.weight"],
+        "output.weight": hf["lm_head.weight"],
+    }
+    names = {
+        "attention.wq": "self_attn.q_proj",
+        "attention.wk": "self_attn.k_proj",
+        "attention.wv": "self_attn.v_proj",
+        "attention.wo": "self_attn.o_proj",
+        "feed_forward.w1": "mlp.gate_proj",
+        "feed_forward.w2": "mlp.down_proj",
+        "feed_forward.w3": "mlp.up_proj",
+        "attention_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+    }
+    for i in range(s.layers):
+        for et_name, hf_name in names.items():
+            state[f"layers.{i}.{et_name}.weight"] = hf[f"model.layers.{i}.{hf_name}.weight"]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or any("kv_cache" not in k for k in missing):
+        raise RuntimeError(f"weight mapping mismatch: missing {missing}, unexpected {unexpected}")
+    return model
+
+
+def path_llama_example(bench: Bench, row: Row) -> Driver:
+    """(c) ExecuTorch's llama example as export_llama_lib runs it for XNNPACK fp32 with `--use_sdpa_with_kv_cache
+    --xnnpack-extended-ops`: custom SDPA + custom KV cache, strict export with a dynamic token dim,
+    RemoveRedundantTransposes, lowering, and ExecutorchBackendConfig(alloc_graph_input=False,
+    ConstraintBasedSymShapeEvalPass), all through its LLMEdgeManager."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.examples.models.llama.source_transformation.custom_kv_cache import (
+        replace_kv_cache_with_custom_kv_cache,
+    )
+    from executorch.examples.models.llama.source_transformation.sdpa import replace_sdpa_with_custom_op
+    from executorch.extension.llm.export.builder import DType, LLMEdgeManager
+
+    s = bench.shape
+    model = llama_example_model(bench)
+    path = bench.out_dir / "c_llama_example.pte"
+    start = time.perf_counter()
+    manager = LLMEdgeManager(
+        model=model,
+        modelname="llama",
+        max_seq_len=s.max_seq_len,
+        dtype=DType.fp32,
+        use_kv_cache=True,
+        example_inputs=(torch.tensor([[2, 3, 4]]), {"input_pos": torch.tensor([0])}),
+        enable_dynamic_shape=True,  # tokens [1, T], T in [1, max_seq_len - 1]
+        metadata={
+            "get_max_context_len": s.max_seq_len,
+            "get_n_layers": s.layers,
+            "get_vocab_size": s.vocab,
+            "use_kv_cache": True,
+            "use_sdpa_with_kv_cache": True,
+            "enable_dynamic_shape": True,
+        },
+    )
+    # Same order as export_llama_lib._get_source_transforms: SDPA first, then the KV cache.
+    manager.source_transform([replace_sdpa_with_custom_op, replace_kv_cache_with_custom_kv_cache])
+    manager.export()
+    manager.run_canonical_optimizations()
+    manager.to_edge_transform_and_lower([XnnpackPartitioner()])
+    manager.to_executorch()
+    with open(path, "wb") as f:
+        manager.export_program.write_to_file(f)
+    row.export_s = time.perf_counter() - start
+    del model, manager
+    gc.collect()
+    row.pte_mb = pte_megabytes(path)
+    return TokensPosDriver(path)
+
+
+def path_hf_exporter(bench: Bench, row: Row) -> Driver:
+    """(d) transformers `ExecutorchExporter().export_for_generation`: captures a real static-cache `generate()`
+    and exports `prefill` (static prompt length) and `decode` programs, each a separate .pte with its own
+    copy of the weights, the KV cache passed in and out as graph inputs/outputs."""
+    from transformers import GenerationConfig
+    from transformers.exporters import ExecutorchExporter
+    from transformers.exporters.configs import ExecutorchConfig
+    from transformers.exporters.metadata import load_treespec
+
+    row.note = "prefill.pte + decode.pte (weights twice); prefill static at the prompt length, full logits"
+    s = bench.shape
+    model = build_hf_model(bench)
+    ids = torch.tensor([bench.prompt], dtype=torch.long)
+    out = bench.out_dir / "d_hf_exporter"
+    start = time.perf_counter()
+    exported = ExecutorchExporter().export_for_generation(
+        model,
+        {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+        config=ExecutorchConfig(backend="xnnpack"),
+        generation_config=GenerationConfig(cache_implementation="static", max_cache_len=s.max_seq_len),
+    )
+    exported.save_pretrained(out)
+    row.export_s = time.perf_counter() - start
+    leaves = {name: load_treespec(c.metadata.out_spec).num_leaves for name, c in exported.components.items()}
+    del model, exported
+    gc.collect()
+    row.pte_mb = pte_megabytes(out / "prefill.pte", out / "decode.pte")
+    return GenerationExportDriver(
+        out / "prefill.pte", out / "decode.pte", leaves["prefill"], leaves["decode"], s.layers, s.max_seq_len
+    )
+
+
+def path_eager(bench: Bench, row: Row) -> Driver:
+    """(e) eager PyTorch transformers with a DynamicCache: a reference, nothing exported."""
+    row.note = "no export"
+    return EagerDriver(build_hf_model(bench))
+
+
+@dataclass(frozen=True)
+class PathSpec:
+    """A row: its key on the command line, its label, and the function that exports and loads it."""
+
+    key: str
+    name: str
+    fn: Callable[[Bench, Row], Driver]
+    default: bool = True
+
+
+PATHS: list[PathSpec] = [
+    PathSpec("a", "etblocks xnnpack", path_etblocks),
+    PathSpec("b", "transformers static-cache export", path_hf_static),
+    PathSpec("c", "ExecuTorch llama example", path_llama_example),
+    PathSpec("d", "transformers ExecutorchExporter", path_hf_exporter),
+    PathSpec("e", "eager PyTorch (reference)", path_eager, default=False),
+]
+
+
+# --------------------------------------------------------------------------------------------------
+# Roofline, reference tokens, report
+
+
+def measure_read_bandwidth(gigabytes: float = 1.0, reps: int = 5) -> float:
+    """Read bandwidth in bytes/s: the best of `torch.sum` over a random fp32 array, `reps` times with all torch
+    threads and `reps` times with one (on this host one thread is often as fast). Random data: a constant-filled array
+    once read at 47 GB/s here, far above anything else measured."""
+    x = torch.rand(int(gigabytes * 1e9) // 4)
+    threads, best = torch.get_num_threads(), float("inf")
+    try:
+        for num_threads in (threads, 1):
+            torch.set_num_threads(num_threads)
+            for _ in range(reps):
+                start = time.perf_counter()
+                x.sum()
+                best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return x.numel() * 4 / best
+
+
+@torch.no_grad()
+def eager_reference_tokens(bench: Bench) -> list[int]:
+    """Greedy tokens of the eager transformers model: the prefill's token and one per decode step."""
+    model = build_hf_model(bench)
+    ids = torch.tensor([bench.prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=bench.decode_steps + 1,
+                         do_sample=False)
+    return out[0, len(bench.prompt):].tolist()
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _spread(runs: list[float], spec: str) -> str:
+    """Median and [min-max] of per-round figures."""
+    if not runs:
+        return "-"
+    return f"{format(statistics.median(runs), spec)} [{format(min(runs), spec)}-{format(max(runs), spec)}]"
+
+
+def _ratio(value: float | None, ref: float | None) -> str:
+    return "-" if value is None or not ref else f"{value / ref:.2f}x"
+
+
+def _matching_prefix(tokens: Sequence[int], reference: Sequence[int]) -> int:
+    n = 0
+    for a, b in zip(tokens, reference):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def format_table(rows: list[Row], roofline_tps: float, reference: list[int], ref_key: str = "a") -> str:
+    """The results as one aligned text table."""
+    ref = next((r for r in rows if r.key == ref_key and r.status == "ok"), None)
+    headers = ["row", "decode tok/s", "prefill tok/s", "export+lower s", ".pte MB", f"decode/({ref_key})",
+               f"prefill/({ref_key})", f"export/({ref_key})", f"pte/({ref_key})", "decode %roof", "tokens=eager"]
+    lines = []
+    for r in rows:
+        label = f"({r.key}) {r.name}"
+        if r.status != "ok":
+            lines.append([label, r.status])
+            continue
+        lines.append([
+            label, _spread(r.decode_runs, ".1f"), _spread(r.prefill_runs, ".0f"), _fmt(r.export_s, ".0f"),
+            _fmt(r.pte_mb, ".0f"),
+            _ratio(r.decode_tps, ref and ref.decode_tps), _ratio(r.prefill_tps, ref and ref.prefill_tps),
+            _ratio(r.export_s, ref and ref.export_s), _ratio(r.pte_mb, ref and ref.pte_mb),
+            _fmt(100 * r.decode_tps / roofline_tps if r.decode_tps else None, ".0f") + "%",
+            f"{_matching_prefix(r.tokens, reference)}/{len(reference)}",
+        ])
+    widths = [max(len(headers[i]), *(len(l[i]) for l in lines if len(l) > 2)) for i in range(len(headers))]
+    out = ["  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(headers, widths)))]
+    out.append("  ".join("-" * w for w in widths))
+    for l in lines:
+        if len(l) == 2:
+            out.append(f"{l[0].ljust(widths[0])}  {l[1]}")
+        else:
+            out.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(l, widths))))
+    return "\n".join(out)
+
+
+def _paired_median(numerators: list[float], denominators: list[float]) -> float | None:
+    """Median of per-round ratios: rows of one round run back to back, so they share the host's load."""
+    if not numerators or len(numerators) != len(denominators):
+        return None
+    return statistics.median(n / d for n, d in zip(numerators, denominators))
+
+
+def format_targets(rows: list[Row], rooflines: list[float]) -> str:
+    """PASS/FAIL/n/a for the project's targets on row (a), judged on the median of per-round ratios
+    (`rooflines`: the roofline tok/s of each round)."""
+    by_key = {r.key: r for r in rows if r.status == "ok"}
+    a, b, c = by_key.get("a"), by_key.get("b"), by_key.get("c")
+
+    def check(label: str, value: float | None, goal: float, unit: str) -> str:
+        if value is None:
+            return f"  n/a   {label} (needs the rows it compares)"
+        return f"  {'PASS' if value >= goal else 'FAIL'}  {label}: {value:.2f}{unit} (goal >= {goal}{unit})"
+
+    roofline_share = _paired_median(a.decode_runs, rooflines) if a else None
+    return "\n".join([
+        "targets (median of per-round ratios):",
+        check("(a) decode / (c) decode", _paired_median(a.decode_runs, c.decode_runs) if a and c else None, 1.0, "x"),
+        check("(a) decode % roofline", 100 * roofline_share if roofline_share else None, 80, "%"),
+        check("(a) prefill / (b) prefill", _paired_median(a.prefill_runs, b.prefill_runs) if a and b else None, 20,
+              "x"),
+    ])
+
+
+# --------------------------------------------------------------------------------------------------
+# Main
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default=",".join(p.key for p in PATHS if p.default),
+                        help="comma-separated row keys: " + ", ".join(f"{p.key}={p.name}" for p in PATHS))
+    parser.add_argument("--layers", type=int, default=30, help="decoder layers (2 for a quick smoke run)")
+    parser.add_argument("--decode-steps", type=int, default=32, help="timed greedy decode steps")
+    parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (prefill)")
+    parser.add_argument("--max-seq-len", type=int, default=256, help="context / KV cache length")
+    parser.add_argument("--rounds", type=int, default=7,
+                        help="interleaved timed rounds of prefill + decode per row; medians are reported")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--init-range", type=float, default=0.1,
+                        help="weight init std; 0.02 (the default of transformers) makes greedy repeat one token")
+    parser.add_argument("--out-dir", type=Path, default=None,
+                        help="where the .pte files go (kept); default: a temp dir, deleted at the end")
+    return parser.parse_args(argv)
+
+
+def prepare_path(spec: PathSpec, bench: Bench) -> tuple[Row, Driver | None]:
+    """Export and load one path; a failure or an unavailable path becomes the row's status."""
+    print(f"[decode bench] ({spec.key}) {spec.name}: export ...", file=sys.stderr, flush=True)
+    row = Row(spec.key, spec.name)
+    start = time.perf_counter()
+    driver = None
+    try:
+        driver = spec.fn(bench, row)
+        warm_up(driver, bench)
+    except Unavailable as e:
+        row.status = f"unavailable: {e}"
+    except Exception as e:  # one broken path must not hide the others
+        traceback.print_exc()
+        row.status = f"failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+        driver = None
+    gc.collect()
+    print(f"[decode bench] ({spec.key}) ready in {time.perf_counter() - start:.0f} s: {row.status}", file=sys.stderr,
+          flush=True)
+    return row, driver
+
+
+def time_rows(prepared: list[tuple[Row, Driver | None]], bench: Bench) -> list[float]:
+    """Time the loaded rows in interleaved rounds, appending to each row's runs; returns the read bandwidth
+    samples (bytes/s), one per round."""
+    bandwidths = []
+    for round_index in range(bench.rounds):
+        for row, driver in prepared:
+            if driver is None or row.status != "ok":
+                continue
+            try:
+                prefill_tps, decode_tps, tokens = time_round(driver, bench)
+            except Exception as e:
+                traceback.print_exc()
+                row.status = f"failed while timing: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+                continue
+            if row.tokens and tokens != row.tokens:
+                row.status = f"failed: greedy tokens differ between rounds ({row.tokens} vs {tokens})"
+                continue
+            row.tokens = tokens
+            row.prefill_runs.append(prefill_tps)
+            row.decode_runs.append(decode_tps)
+            print(f"[decode bench] round {round_index + 1}/{bench.rounds} ({row.key}): decode {decode_tps:.2f} tok/s,"
+                  f" prefill {prefill_tps:.1f} tok/s", file=sys.stderr, flush=True)
+        bandwidths.append(measure_read_bandwidth(reps=2))
+        print(f"[decode bench] round {round_index + 1}/{bench.rounds}: read bandwidth {bandwidths[-1] / 1e9:.1f} GB/s",
+              file=sys.stderr, flush=True)
+    return bandwidths
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    keys = [k.strip() for k in args.rows.split(",") if k.strip()]
+    specs = {p.key: p for p in PATHS}
+    unknown = [k for k in keys if k not in specs]
+    if unknown:
+        raise SystemExit(f"unknown rows {unknown}; known: {list(specs)}")
+
+    out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="etblocks_decode_bench_"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shape = Shape(layers=args.layers, max_seq_len=args.max_seq_len)
+    prompt = torch.randint(1, shape.vocab, (args.prompt_len,), generator=torch.Generator().manual_seed(args.seed))
+    bench = Bench(shape, prompt.tolist(), args.decode_steps, args.rounds, out_dir, args.seed, args.init_range)
+
+    reference = eager_reference_tokens(bench)
+    try:
+        prepared = [prepare_path(specs[key], bench) for key in keys]
+        bandwidths = time_rows(prepared, bench)
+    finally:
+        if args.out_dir is None:
+            shutil.rmtree(out_dir, ignore_errors=True)
+    rows = [row for row, _ in prepared]
+    bandwidth = statistics.median(bandwidths)
+    weight_bytes = shape.weight_bytes_per_token()
+    roofline_tps = bandwidth / weight_bytes
+
+    from executorch.extension.pybindings.portable_lib import _threadpool_get_thread_count
+
+    s = shape
+    gb = [b / 1e9 for b in bandwidths]
+    threads = torch.get_num_threads()
+    print(f"\nLLM decode paths, SmolLM2-135M shape: {s.layers} layers, hidden {s.hidden}, {s.heads}/{s.kv_heads} "
+          f"heads (head_dim {s.head_dim}), intermediate {s.intermediate}, vocab {s.vocab}, tied embedding, fp32, "
+          f"random weights (seed {args.seed}, init std {args.init_range})")
+    print(f"context {s.max_seq_len}, prompt {len(bench.prompt)} tokens (prefill), {bench.decode_steps} greedy decode "
+          f"steps; figures are medians of {bench.rounds} interleaved rounds [min-max]; torch {torch.__version__}, "
+          f"{threads} torch threads, {_threadpool_get_thread_count()} ExecuTorch threads")
+    print(f"roofline: read bandwidth {statistics.median(gb):.1f} GB/s [{min(gb):.1f}-{max(gb):.1f}] (torch.sum over "
+          f"1 GB of random fp32, best of 1 and {threads} threads, sampled every round) / {weight_bytes / 1e6:.1f} MB "
+          f"fp32 weights per token (linears + lm_head) = {roofline_tps:.1f} tok/s\n")
+    print(format_table(rows, roofline_tps, reference))
+    notes = [f"  ({r.key}) {r.note}" for r in rows if r.note and r.status == "ok"]
+    notes.append("  tokens=eager: leading greedy tokens equal to eager transformers generate() (same weights)")
+    print("notes:\n" + "\n".join(notes))
+    print(format_targets(rows, [b / weight_bytes for b in bandwidths]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
