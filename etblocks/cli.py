@@ -139,27 +139,19 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def _check_backend(options: Resolved) -> tuple[str, dict, Any]:
     """Backend, recipe overrides and the recipe's dtype, checked before any model is loaded."""
-    from etblocks.export.backends import BACKENDS, partitioners_for
-    from etblocks.swap.recipes import RECIPES, resolve_recipe
+    from etblocks.export.driver import check_exportable
+    from etblocks.swap.recipes import resolve_recipe
 
     backend = options["backend"]
-    exportable = sorted(name for name in RECIPES if name in BACKENDS)
-    if backend not in BACKENDS:
-        raise ConfigError(
-            f"{options.where('backend')}: backend={backend!r} is not accepted; accepted: {exportable} "
-            f"(known to ExecuTorch here: {sorted(BACKENDS)}; `etblocks backends` shows what works on this machine)"
-        )
-    if backend not in RECIPES:
-        raise ConfigError(
-            f"{options.where('backend')}: backend={backend!r} is a known ExecuTorch backend but etblocks has no swap "
-            f"recipe for it yet; accepted: {exportable}"
-        )
+    try:
+        check_exportable(backend)  # typed errors now rather than after minutes of work
+    except ConfigError as exc:
+        raise ConfigError(f"{options.where('backend')}: {exc}") from None
     overrides = {} if options["sdpa"] is None else {"sdpa": options["sdpa"]}
     try:
         recipe = resolve_recipe(backend, **overrides)
     except ConfigError as exc:
         raise ConfigError(f"{options.where('sdpa')}: {exc}") from None
-    partitioners_for(backend)  # BackendUnavailableError now rather than after minutes of work
     return backend, overrides, recipe.dtype
 
 

@@ -229,7 +229,7 @@ def test_unknown_backend_exits_2_listing_accepted(tmp_path, capsys):
     code = main(["export", "--model", "demo", "--backend", "tpu", "--out", str(tmp_path / "x.pte")])
     captured = capsys.readouterr()
     assert code == 2
-    assert error_line(captured.err).startswith("error: --backend: backend='tpu' is not accepted; accepted: ")
+    assert error_line(captured.err).startswith("error: --backend: backend='tpu' is unknown; accepted: ")
     assert "'xnnpack'" in captured.err and "'portable'" in captured.err
     assert "loading" not in captured.out  # rejected before any model is loaded
     assert not (tmp_path / "x.pte").exists()
@@ -238,7 +238,7 @@ def test_unknown_backend_exits_2_listing_accepted(tmp_path, capsys):
 def test_unknown_backend_from_config_names_the_line(tmp_path, capsys):
     (tmp_path / "c.yaml").write_text("model: demo\nbackend: npu\n")
     assert main(["export", "--config", str(tmp_path / "c.yaml")]) == 2
-    assert "c.yaml', line 2: backend='npu' is not accepted" in capsys.readouterr().err
+    assert "c.yaml', line 2: backend='npu' is unknown; accepted" in capsys.readouterr().err
 
 
 def test_bad_sdpa_exits_2(capsys):

@@ -51,11 +51,7 @@ def export(
     ExecuTorch's LLM runner reads. Backend errors (`ConfigError`, `BackendUnavailableError`) come before any work.
     """
     say = progress or (lambda message: None)
-    partitioners = partitioners_for(backend)
-    if backend not in RECIPES:
-        raise ConfigError(
-            f"backend={backend!r} has no dynamic-shape program recipe yet; accepted for export: {sorted(RECIPES)}"
-        )
+    partitioners = check_exportable(backend)
     program = dynamic_program(model, max_seq_len, bos_id=bos_id, eos_ids=eos_ids, vocab_size=vocab_size)
     seconds: dict[str, float] = {}
 
@@ -88,6 +84,17 @@ def export(
     seconds["serialize"] = time.perf_counter() - start
     say(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB); {delegation}")
     return ExportResult(path, backend, ["forward", *program.metadata], program.metadata, delegation, seconds)
+
+
+def check_exportable(backend: str) -> list:
+    """The partitioners for `backend`, once it is known, usable here and has a program recipe; else the
+    typed error (`ConfigError`, `BackendUnavailableError`). Cheap: call it before loading a model."""
+    partitioners = partitioners_for(backend)
+    if backend not in RECIPES:
+        raise ConfigError(
+            f"backend={backend!r} has no dynamic-shape program recipe yet; accepted for export: {sorted(RECIPES)}"
+        )
+    return partitioners
 
 
 def _torch_export(program: DynamicProgram) -> torch.export.ExportedProgram:

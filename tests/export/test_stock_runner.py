@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from hf_models import tiny_model
 
 pytest.importorskip("tokenizers")
 pytest.importorskip("executorch.extension.llm.runner")
@@ -47,28 +48,6 @@ def _train_tokenizer(path):
     tokenizer.train_from_iterator(SENTENCES * 4, trainer)
     tokenizer.save(str(path))
     return tokenizer
-
-
-def _tiny_llama(vocab_size: int):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(
-        "llama",
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-        initializer_range=0.3,
-        pad_token_id=0,
-        bos_token_id=0,
-        eos_token_id=None,
-    )
-    return AutoModelForCausalLM.from_config(config).eval()
 
 
 def _hf_greedy(model, prompt_ids: list[int], eos_id: int | None) -> list[int]:
@@ -113,7 +92,7 @@ def test_stock_text_llm_runner_matches_hf_generate(tmp_path):
     pieces = [cpp_tokenizer.decode(i, i) for i in range(vocab_size)]
     assert len(set(pieces)) == vocab_size
 
-    original = _tiny_llama(vocab_size)
+    original = tiny_model("llama", vocab_size=vocab_size, max_position_embeddings=128, bos_token_id=0)
 
     # EOS: the token HF greedy emits at step k (its first occurrence, k >= 1), so both sides must stop there.
     # The stock runner does not check the very first (prefill) token against EOS, hence k >= 1.
