@@ -82,7 +82,10 @@ def apply_rotary(
     sin = sin.reshape(table_shape).to(x.dtype)
     rotary_dim = cos.shape[-1]
     if rotary_dim == x.shape[-1]:
-        rotated = torch.matmul(x, rotation) if rotation is not None else rotate_half(x)
+        if rotation is None:
+            rotated = rotate_half(x)
+        else:  # as [B*T*H, D] rows, reshaped back with an inferred T, so the reshapes stay delegable too
+            rotated = torch.matmul(x.reshape(-1, x.shape[-1]), rotation).reshape(x.shape[0], -1, *x.shape[2:])
         return x * cos + rotated * sin
     x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
     return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
