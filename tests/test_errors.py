@@ -76,6 +76,8 @@ def test_max_seq_len_beyond_positions():
     etblocks.swap(model, backend="xnnpack", max_seq_len=32)
     with pytest.raises(ConfigError, match=r"max_seq_len=65"):
         etblocks.export(model, backend="xnnpack", out="unused.pte", max_seq_len=65)
+    with pytest.raises(ConfigError, match=r"max_seq_len=48 is longer than the 32 this model was swapped for"):
+        etblocks.export(model, backend="xnnpack", out="unused.pte", max_seq_len=48)
 
 
 def test_unknown_backend():

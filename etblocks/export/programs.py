@@ -39,27 +39,22 @@ def dynamic_program(
     eos_ids: list[int] | None = None,
     vocab_size: int | None = None,
 ) -> DynamicProgram:
-    """Wrap a swapped HF model, or take a model built from etblocks blocks as it is."""
-    if is_hf_causal_lm(model):
-        if getattr(model, "etblocks_swap", None) is None:
-            raise ConfigError(
-                f"{type(model).__name__} has not been swapped; call etblocks.swap(model, backend=...) before export"
-            )
-        if max_seq_len is not None and max_seq_len != model.etblocks_swap.max_seq_len:
-            set_max_seq_len(model, max_seq_len)
+    """Wrap a swapped HF model, or take a model built from etblocks blocks as it is. `max_seq_len` (default:
+    the caches' length) resizes the caches."""
+    hf_model = is_hf_causal_lm(model)
+    if hf_model and getattr(model, "etblocks_swap", None) is None:
+        raise ConfigError(f"{type(model).__name__} has not been swapped; call etblocks.swap(model, backend=...) before export")
+    caches = find_caches(model)
+    if not caches:
+        raise ConfigError(f"{type(model).__name__} holds no etblocks KV cache; build it from etblocks blocks")
+    if max_seq_len is not None:
+        set_max_seq_len(model, max_seq_len)
+    if hf_model:
+        max_seq_len = model.etblocks_swap.max_seq_len  # not from the caches: ring caches hold only a window
         tokens = hf_token_metadata(model)
         module = HFDecoderProgram(model)
-        max_seq_len = model.etblocks_swap.max_seq_len
     else:
-        caches = find_caches(model)
-        if not caches:
-            raise ConfigError(f"{type(model).__name__} holds no etblocks KV cache; build it from etblocks blocks")
-        cache_len = max(c.max_seq_len for c in caches)
-        if max_seq_len is None:
-            max_seq_len = cache_len
-        elif max_seq_len != cache_len:
-            for cache in caches:
-                cache.resize(max_seq_len)
+        max_seq_len = max_seq_len or max(cache.max_seq_len for cache in caches)
         tokens = {"vocab_size": vocab_size, "bos_id": None, "eos_ids": [], "n_layers": len(caches)}
         module = model
     if bos_id is not None:

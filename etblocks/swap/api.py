@@ -71,10 +71,18 @@ def swap(
 
 
 def set_max_seq_len(model: nn.Module, max_seq_len: int) -> None:
-    """Resize a swapped model's caches for a new context length (their contents are dropped)."""
+    """Resize the KV caches of a swapped model, or of one built from blocks, for a new context length (their
+    contents are dropped). `ConfigError` past the model's positions."""
+    max_seq_len = _check_max_seq_len(model, max_seq_len)
     info = getattr(model, "etblocks_swap", None)
     if info is not None:
-        max_seq_len = _check_max_seq_len(model, max_seq_len)
+        if max_seq_len > info.max_seq_len:
+            # A sliding window no shorter than the swap's context became a full cache; a longer context would
+            # need the window back. Growing is a new swap.
+            raise ConfigError(
+                f"max_seq_len={max_seq_len} is longer than the {info.max_seq_len} this model was swapped for; "
+                f"accepted: 2..{info.max_seq_len}, or swap a fresh copy with max_seq_len={max_seq_len}"
+            )
         model.etblocks_swap = SwapInfo(info.recipe, max_seq_len, info.converted)
     for cache in find_caches(model):
         cache.resize(max_seq_len)
