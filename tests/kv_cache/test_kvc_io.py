@@ -91,6 +91,14 @@ def test_io_cache_matches_static_cache_step_by_step(chunks):
     io, ref = pair(cache_len=total, bsz=2)
     caches = CallerCaches(2, total)
     x = torch.randn(2, total, DIM)
+    assert_chunks_match(io, ref, caches, x, chunks)
+    # The rows the caller wrote are the rows the in-graph cache wrote.
+    torch.testing.assert_close(caches.k, ref.kv_cache.k_cache, rtol=0, atol=ATOL)
+    torch.testing.assert_close(caches.v, ref.kv_cache.v_cache, rtol=0, atol=ATOL)
+
+
+def assert_chunks_match(io, ref, caches, x, chunks) -> None:
+    """Feed `x` chunk by chunk to the caller-owned block and to the in-graph reference; outputs must agree."""
     start = 0
     with torch.no_grad():
         for n in chunks:
@@ -98,9 +106,6 @@ def test_io_cache_matches_static_cache_step_by_step(chunks):
             want = ref(x[:, start : start + n], torch.arange(start, start + n))
             torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
             start += n
-    # The rows the caller wrote are the rows the in-graph cache wrote.
-    torch.testing.assert_close(caches.k, ref.kv_cache.k_cache, rtol=0, atol=ATOL)
-    torch.testing.assert_close(caches.v, ref.kv_cache.v_cache, rtol=0, atol=ATOL)
 
 
 def test_fixed_shape_prefill_chunks_with_padding_then_decode():
@@ -133,13 +138,7 @@ def test_caller_owned_ring_matches_ring_cache(window, chunks, seed):
     io, ref = pair(cache_len=window, window=window, seed=seed)
     caches = CallerCaches(1, window, ring=True, window=window)
     x = torch.randn(1, sum(chunks), DIM)
-    start = 0
-    with torch.no_grad():
-        for n in chunks:
-            got = run_io(io, caches, x, start, n)
-            want = ref(x[:, start : start + n], torch.arange(start, start + n))
-            torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
-            start += n
+    assert_chunks_match(io, ref, caches, x, chunks)
     assert torch.equal(caches.positions, ref.kv_cache.slot_positions)
 
 
