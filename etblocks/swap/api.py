@@ -121,7 +121,7 @@ def _convert(name: str, module: nn.Module, ctx: SwapContext) -> nn.Module:
 
 def _verify(model: nn.Module, targets, replacements, max_seq_len: int) -> None:
     """Each replacement must reproduce its original's output on the inputs the original saw in a probe run."""
-    windows = [w for _, new in replacements for w in [getattr(new.sdpa, "sliding_window", None)] if w]
+    windows = [w for _, new in replacements if (w := getattr(getattr(new, "sdpa", None), "sliding_window", None))]
     probe_len = min(max([PROBE_LEN] + [w + 4 for w in windows]), max_seq_len)
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model.config.vocab_size, (1, probe_len), generator=generator)
