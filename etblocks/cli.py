@@ -276,11 +276,8 @@ def load_tokenizer(path: str | Path):
 def load_runner(path: str | Path):
     from etblocks.export.runner import Runner
 
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"pte={str(path)!r} is not a file; give the .pte written by `etblocks export`")
     try:
-        return Runner(path)
+        return Runner(path)  # a missing file is the Runner's own ConfigError
     except EtblocksError:
         raise
     except Exception as exc:  # the runtime raises RuntimeError/ValueError for files it cannot load

@@ -53,8 +53,8 @@ class RingKVCache(KVCache):
     def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         window = self.window
         start, last = input_pos[:1], input_pos[-1:]
-        cached_pos = self.slot_positions
-        cached_pos = torch.where(cached_pos < start, cached_pos, -1)  # empty, or stale from an older sequence
+        cached = self.slot_positions
+        cached_pos = torch.where(cached < start, cached, -1)  # -1: empty, or stale from an older sequence
         k_all = torch.cat((self.k_cache, k), dim=1)
         v_all = torch.cat((self.v_cache, v), dim=1)
         k_pos = torch.cat((cached_pos, input_pos))

@@ -28,20 +28,25 @@ def hf_eval(mask_function, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Te
     return mask_function(zero, zero, q_pos[:, None], k_pos[None, :]).expand(len(q_pos), len(k_pos))
 
 
-@pytest.mark.parametrize("start, q_len, kv_len", [(0, 1, 1), (0, 6, 6), (5, 3, 8), (11, 1, 16), (4, 4, 16)])
-def test_causal_matches_hf_sdpa_mask(start, q_len, kv_len):
-    q_pos = torch.arange(start, start + q_len)
-    k_pos = torch.arange(kv_len)
-    ours = allowed_keys(q_pos, k_pos)
-    hf = sdpa_mask(
+def hf_sdpa_mask(start: int, q_len: int, kv_len: int, mask_function) -> torch.Tensor:
+    """transformers' boolean `[q_len, kv_len]` mask for queries starting at `start`."""
+    return sdpa_mask(
         batch_size=1,
         q_length=q_len,
         kv_length=kv_len,
         q_offset=start,
         kv_offset=0,
-        mask_function=causal_mask_function,
+        mask_function=mask_function,
         allow_is_causal_skip=False,
     )[0, 0]
+
+
+@pytest.mark.parametrize("start, q_len, kv_len", [(0, 1, 1), (0, 6, 6), (5, 3, 8), (11, 1, 16), (4, 4, 16)])
+def test_causal_matches_hf_sdpa_mask(start, q_len, kv_len):
+    q_pos = torch.arange(start, start + q_len)
+    k_pos = torch.arange(kv_len)
+    ours = allowed_keys(q_pos, k_pos)
+    hf = hf_sdpa_mask(start, q_len, kv_len, causal_mask_function)
     assert ours.dtype == torch.bool and ours.shape == (q_len, kv_len)
     assert torch.equal(ours, hf)
 
@@ -52,15 +57,7 @@ def test_sliding_window_matches_hf(window, start, q_len, kv_len):
     q_pos = torch.arange(start, start + q_len)
     k_pos = torch.arange(kv_len)
     ours = allowed_keys(q_pos, k_pos, sliding_window=window)
-    hf = sdpa_mask(
-        batch_size=1,
-        q_length=q_len,
-        kv_length=kv_len,
-        q_offset=start,
-        kv_offset=0,
-        mask_function=sliding_window_causal_mask_function(window),
-        allow_is_causal_skip=False,
-    )[0, 0]
+    hf = hf_sdpa_mask(start, q_len, kv_len, sliding_window_causal_mask_function(window))
     assert torch.equal(ours, hf)
     # The overlay composed by hand gives the same.
     assert torch.equal(ours, hf_eval(and_masks(sliding_window_overlay(window), causal_mask_function), q_pos, k_pos))

@@ -101,6 +101,17 @@ def run_chunks(block: Attention, x: torch.Tensor, chunks) -> torch.Tensor:
     return torch.cat(outs, dim=1)
 
 
+def assert_ring_matches_full_context(window: int, chunks: list[int], bsz: int = 1, seed: int = 0) -> None:
+    """Chunked decoding through the ring equals one full-context pass with a sliding-window mask."""
+    torch.manual_seed(seed)
+    block = make_block(window, bsz=bsz, seed=seed)
+    x = torch.randn(bsz, sum(chunks), DIM)
+    with torch.no_grad():
+        out = run_chunks(block, x, chunks)
+        ref = full_context_reference(block, x, window)
+    torch.testing.assert_close(out, ref, rtol=0, atol=ATOL)
+
+
 @pytest.mark.parametrize(
     "window, chunks",
     [
@@ -114,13 +125,7 @@ def run_chunks(block: Attention, x: torch.Tensor, chunks) -> torch.Tensor:
     ],
 )
 def test_chunked_ring_matches_full_context_sliding_window(window, chunks):
-    torch.manual_seed(0)
-    block = make_block(window, bsz=2)
-    x = torch.randn(2, sum(chunks), DIM)
-    with torch.no_grad():
-        out = run_chunks(block, x, chunks)
-        ref = full_context_reference(block, x, window)
-    torch.testing.assert_close(out, ref, rtol=0, atol=ATOL)
+    assert_ring_matches_full_context(window, chunks, bsz=2)
 
 
 def test_window_matters():
@@ -141,13 +146,7 @@ def test_window_matters():
     seed=st.integers(0, 1000),
 )
 def test_random_chunking_matches_full_context(window, chunks, seed):
-    torch.manual_seed(seed)
-    block = make_block(window, seed=seed)
-    x = torch.randn(1, sum(chunks), DIM)
-    with torch.no_grad():
-        out = run_chunks(block, x, chunks)
-        ref = full_context_reference(block, x, window)
-    torch.testing.assert_close(out, ref, rtol=0, atol=ATOL)
+    assert_ring_matches_full_context(window, chunks, seed=seed)
 
 
 def test_update_returns_ring_then_new_rows():
