@@ -1,12 +1,16 @@
-"""Attention blocks: SDPA forms, rotary embeddings, masks and the MHA/GQA/MQA block."""
+"""Attention blocks: SDPA forms, rotary embeddings, masks, the MHA/GQA/MQA block and its single-head form."""
 
+from etblocks.attention.conv import Conv2dLinear
 from etblocks.attention.masks import additive_mask, allowed_keys
 from etblocks.attention.mha import Attention
 from etblocks.attention.rope import RotaryEmbedding, apply_rotary, default_inv_freq, llama3_inv_freq
 from etblocks.attention.sdpa import SDPA, CustomSDPA, DynamicSDPA, StaticSDPA, attention_math
+from etblocks.attention.sha import SingleHeadAttention, apply_rotary_3d
 
 __all__ = [
     "Attention",
+    "SingleHeadAttention",
+    "Conv2dLinear",
     "SDPA",
     "CustomSDPA",
     "DynamicSDPA",
@@ -14,6 +18,7 @@ __all__ = [
     "attention_math",
     "RotaryEmbedding",
     "apply_rotary",
+    "apply_rotary_3d",
     "default_inv_freq",
     "llama3_inv_freq",
     "allowed_keys",

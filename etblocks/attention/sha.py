@@ -1,0 +1,202 @@
+"""Single-head attention (SHA): every head is its own 3-D computation, for Qualcomm HTP-style NPUs.
+
+HTP runs many small `[B, T, Dh]` matmuls faster than one multi-head attention with its 4-D reshapes and
+transposes, so this block projects, normalizes, rotates and attends one head at a time. It computes what
+`Attention` computes with an `IOKVCache` (caller-owned caches, caller's additive mask) or with no cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from etblocks.attention.conv import Conv2dLinear
+from etblocks.attention.masks import additive_mask
+from etblocks.attention.mha import Attention
+from etblocks.attention.rope import RotaryEmbedding, rotate_half
+from etblocks.attention.sdpa import SDPA
+from etblocks.kv_cache.io import IOKVCache
+
+RotaryTables = tuple[torch.Tensor, torch.Tensor]
+
+
+def apply_rotary_3d(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate one head `x [B, T, Dh]` by `cos, sin [T, R]` (or `[B, T, R]`), R <= Dh; dims R: pass through."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+def _linear_view(weight: torch.Tensor, bias: torch.Tensor | None, conv2d: bool) -> nn.Module:
+    """A Linear (or Conv2dLinear) whose parameters are the given views: no copy of the original weights."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    linear.weight = nn.Parameter(weight.detach(), requires_grad=weight.requires_grad)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias.detach(), requires_grad=bias.requires_grad)
+    return Conv2dLinear.from_linear(linear) if conv2d else linear
+
+
+def _as_linear(proj: nn.Module | None, name: str) -> nn.Linear:
+    if not isinstance(proj, nn.Linear):
+        raise TypeError(f"SingleHeadAttention.from_attention slices nn.Linear weights; {name} is {type(proj).__name__}")
+    return proj
+
+
+def _head_views(proj: nn.Linear, start: int, n_heads: int, head_dim: int, conv2d: bool) -> list[nn.Module]:
+    """One module per head over rows `start + h*Dh : start + (h+1)*Dh` of `proj`'s weight and bias."""
+    heads = []
+    for h in range(n_heads):
+        rows = slice(start + h * head_dim, start + (h + 1) * head_dim)
+        bias = None if proj.bias is None else proj.bias[rows]
+        heads.append(_linear_view(proj.weight[rows], bias, conv2d))
+    return heads
+
+
+class SingleHeadAttention(nn.Module):
+    """Attention as H single-head computations on `[B, T, Dh]` tensors; GQA by reading KV head `h // (H / Hkv)`.
+
+    `forward(x [B, T, D], input_pos [T], position_embeddings=None, kv=None, mask=None)`:
+    - with an `IOKVCache`: `kv=(k_cache, v_cache)`, each `[B, S, Hkv, Dh]`, and `mask [T, S + T]`; returns
+      `(y [B, T, D], k_new, v_new)` with the new rows `[B, T, Hkv, Dh]` for the caller to write back.
+    - with no cache: `mask [T, T]`; returns `y`.
+    The mask is additive (a boolean one is converted); it alone decides which keys are read, so a sliding
+    window lives in the caller's mask (`sdpa.sliding_window` is kept for callers that build it).
+
+    `q_heads`, `k_heads`, `v_heads` map `[B, T, D] -> [B, T, Dh]`; `o_proj` maps the concatenated heads
+    `[B, T, H*Dh] -> [B, T, D]`. `q_norm` / `k_norm` are shared by all heads. Scale and softcap come from
+    `sdpa`. Subclasses change one step by overriding `project_head`, `rotate_head` or `attend_head`.
+    """
+
+    def __init__(
+        self,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        sdpa: SDPA,
+        kv_cache: IOKVCache | None,
+        q_heads: Sequence[nn.Module],
+        k_heads: Sequence[nn.Module],
+        v_heads: Sequence[nn.Module],
+        o_proj: nn.Module,
+        rope: RotaryEmbedding | None = None,
+        q_norm: nn.Module | None = None,
+        k_norm: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+        if (len(q_heads), len(k_heads), len(v_heads)) != (n_heads, n_kv_heads, n_kv_heads):
+            raise ValueError(
+                f"need {n_heads} q_heads and {n_kv_heads} k_heads and v_heads; "
+                f"got {len(q_heads)}, {len(k_heads)}, {len(v_heads)}"
+            )
+        if kv_cache is not None and not isinstance(kv_cache, IOKVCache):
+            raise ValueError(f"SingleHeadAttention takes an IOKVCache or no cache; got {type(kv_cache).__name__}")
+        self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.sdpa = sdpa
+        self.kv_cache = kv_cache
+        self.q_heads = nn.ModuleList(q_heads)
+        self.k_heads = nn.ModuleList(k_heads)
+        self.v_heads = nn.ModuleList(v_heads)
+        self.o_proj = o_proj
+        self.rope = rope
+        self.q_norm, self.k_norm = q_norm, k_norm
+
+    @classmethod
+    def from_attention(cls, attn: Attention, conv2d: bool = False) -> SingleHeadAttention:
+        """The same attention as `attn`, split per head. Head weights are views of `attn`'s (no copy); norms,
+        rope, SDPA and cache are `attn`'s own modules. `conv2d=True` makes every projection a `Conv2dLinear`."""
+        if (attn.q_norm is not None or attn.k_norm is not None) and attn.qk_norm_layout != "head":
+            raise ValueError(
+                f"qk_norm_layout={attn.qk_norm_layout!r} is not supported: SingleHeadAttention needs per-head "
+                "q/k norms (layout 'head') that apply to each [B, T, Dh] head"
+            )
+        heads, kv_heads, dh = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        if attn.qkv_proj is None:
+            q_proj, k_proj, v_proj = (_as_linear(getattr(attn, n), n) for n in ("q_proj", "k_proj", "v_proj"))
+            k_start = v_start = 0
+        else:  # rows [q | k | v] of the fused projection
+            q_proj = k_proj = v_proj = _as_linear(attn.qkv_proj, "qkv_proj")
+            k_start, v_start = heads * dh, (heads + kv_heads) * dh
+        q_heads = _head_views(q_proj, 0, heads, dh, conv2d)
+        k_heads = _head_views(k_proj, k_start, kv_heads, dh, conv2d)
+        v_heads = _head_views(v_proj, v_start, kv_heads, dh, conv2d)
+        o_proj = Conv2dLinear.from_linear(_as_linear(attn.o_proj, "o_proj")) if conv2d else attn.o_proj
+        return cls(
+            heads, kv_heads, dh, attn.sdpa, attn.kv_cache, q_heads, k_heads, v_heads, o_proj,
+            rope=attn.rope, q_norm=attn.q_norm, k_norm=attn.k_norm,
+        )
+
+    def project_head(self, proj: nn.Module, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
+        """`x [B, T, D]` -> one head `[B, T, Dh]`, normalized by `norm` if given."""
+        y = proj(x)
+        return y if norm is None else norm(y)
+
+    def rotary_tables(self, input_pos: torch.Tensor, position_embeddings: RotaryTables | None) -> RotaryTables | None:
+        """`(cos, sin) [T, R]` from the caller or this block's own `rope`; None (no rotation) if neither."""
+        if position_embeddings is None:
+            if self.rope is None:
+                return None
+            position_embeddings = self.rope(input_pos)
+        return position_embeddings
+
+    def rotate_head(self, x: torch.Tensor, tables: RotaryTables | None) -> torch.Tensor:
+        """Rotary embedding of one q or k head `[B, T, Dh]`."""
+        if tables is None:
+            return x
+        return apply_rotary_3d(x, *tables)
+
+    def attend_head(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """`q [B, T, Dh]` over `k, v [B, S, Dh]` with the additive `mask [T, S]` -> `[B, T, Dh]`."""
+        # bmm, not matmul: matmul decomposes into expands that XNNPACK leaves on CPU.
+        scores = torch.bmm(q, k.transpose(1, 2)) * self.sdpa.scale  # [B, T, S]
+        if self.sdpa.softcap is not None:
+            scores = torch.tanh(scores / self.sdpa.softcap) * self.sdpa.softcap
+        probs = torch.softmax((scores + mask).float(), dim=-1).to(v.dtype)
+        return torch.bmm(probs, v)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        input_pos: torch.Tensor,
+        position_embeddings: RotaryTables | None = None,
+        kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if mask is None:
+            raise ValueError("SingleHeadAttention is a static block: it needs the caller's additive `mask` [T, S]")
+        if (kv is None) != (self.kv_cache is None):
+            raise ValueError(
+                "give kv=(k_cache, v_cache) exactly when the block has an IOKVCache; "
+                f"kv_cache={type(self.kv_cache).__name__}, kv given: {kv is not None}"
+            )
+        if mask.dtype == torch.bool:
+            mask = additive_mask(mask, x.dtype)
+        tables = self.rotary_tables(input_pos, position_embeddings)
+        if tables is not None:
+            tables = tuple(t.to(x.dtype) for t in tables)
+
+        k_new = [self.rotate_head(self.project_head(proj, x, self.k_norm), tables) for proj in self.k_heads]
+        v_new = [self.project_head(proj, x) for proj in self.v_heads]
+        if kv is None:
+            keys, values = k_new, v_new
+        else:
+            k_cache, v_cache = kv
+            keys = [torch.cat((k_cache[:, :, j], k), dim=1) for j, k in enumerate(k_new)]
+            values = [torch.cat((v_cache[:, :, j], v), dim=1) for j, v in enumerate(v_new)]
+
+        groups = self.n_heads // self.n_kv_heads
+        heads = []
+        for h, proj in enumerate(self.q_heads):
+            q = self.rotate_head(self.project_head(proj, x, self.q_norm), tables)
+            heads.append(self.attend_head(q, keys[h // groups], values[h // groups], mask))
+        y = self.o_proj(torch.cat(heads, dim=-1))
+        if kv is None:
+            return y
+        return y, torch.stack(k_new, dim=2), torch.stack(v_new, dim=2)
