@@ -113,7 +113,7 @@ def test_non_string_key_is_unknown():
         ("max_seq_len: 32.5\n", r"max_seq_len=32.5 \(float\)"),
         ("max_new_tokens: true\n", r"max_new_tokens=True \(bool\) is not accepted; give an integer >= 1"),
         ("verify: 1\n", r"verify=1 \(int\) is not accepted; give true or false"),
-        ("sdpa: fast\n", r"sdpa='fast' \(str\) is not accepted; choose one of \['custom', 'dynamic'\]"),
+        ("sdpa: fast\n", r"sdpa='fast' \(str\) is not accepted; choose one of \['custom', 'dynamic', 'static'\]"),
         ("top_p: 1.5\n", r"top_p=1.5 \(float\) is not accepted; give a number in \(0, 1\]"),
         ("top_p: 0\n", r"top_p=0"),
         ("temperature: -1\n", r"temperature=-1 .*give a number >= 0"),

@@ -82,7 +82,7 @@ def test_max_seq_len_beyond_positions():
 
 def test_unknown_backend():
     _, model = original_and_copy("llama")
-    with pytest.raises(ConfigError, match=r"backend='tpu'.*accepted: \['portable', 'xnnpack'\]"):
+    with pytest.raises(ConfigError, match=r"backend='tpu'.*accepted: \['coreml', 'openvino', 'portable', 'qnn', 'vulkan', 'xnnpack'\]"):
         etblocks.swap(model, backend="tpu")
     with pytest.raises(ConfigError, match=r"backend='tpu' is unknown; accepted: \['coreml', 'openvino', 'portable', 'qnn', 'vulkan', 'xnnpack'\]"):
         etblocks.export(model, backend="tpu", out="unused.pte")
@@ -90,7 +90,7 @@ def test_unknown_backend():
 
 def test_unknown_recipe_option():
     _, model = original_and_copy("llama")
-    with pytest.raises(ConfigError, match=r"sdpa='flash' is not accepted; choose one of \['custom', 'dynamic'\]"):
+    with pytest.raises(ConfigError, match=r"sdpa='flash' is not accepted; choose one of \['custom', 'dynamic', 'static'\]"):
         etblocks.swap(model, backend="xnnpack", sdpa="flash")
 
 
@@ -149,3 +149,79 @@ def test_generation_past_context_is_refused_before_running(small_program):
         runner.generate([5], max_new_tokens=1)
     runner.reset()
     assert len(runner.generate(prompt, max_new_tokens=2)) == 2
+
+
+def test_chunk_larger_than_context():
+    _, model = original_and_copy("llama")
+    snapshot = _snapshot(model)
+    with pytest.raises(ConfigError, match=r"chunk=32 is larger than the context max_seq_len=16; give chunk <= 16"):
+        etblocks.swap(model, backend="openvino", max_seq_len=16, chunk=32)
+    _assert_untouched(model, snapshot)
+    with pytest.raises(ConfigError, match=r"chunk=1 is not accepted; give an integer >= 2"):
+        etblocks.swap(model, backend="openvino", max_seq_len=16, chunk=1)
+
+
+@pytest.mark.parametrize(
+    "backend, options, message",
+    [
+        ("coreml", dict(quantize="16a8w"), r"backend='coreml' does not support quantize='16a8w'"),
+        ("xnnpack", dict(attention="sha"), r"attention='sha' is a static block"),
+        ("qnn", dict(cache="inplace"), r"attention='sha' is a static block"),
+        ("openvino", dict(linear="conv2d"), r"linear='conv2d' applies to the per-head projections of attention='sha'"),
+        ("qnn", dict(quantize="4a4w"), r"quantize='4a4w' is not accepted; choose one of \[None, '16a8w', '16a4w', '8a8w'\]"),
+    ],
+)
+def test_recipe_option_the_backend_does_not_support(backend, options, message):
+    _, model = original_and_copy("llama")
+    snapshot = _snapshot(model)
+    with pytest.raises(ConfigError, match=message):
+        etblocks.swap(model, backend=backend, max_seq_len=32, **options)
+    _assert_untouched(model, snapshot)
+
+
+def test_export_options_that_do_not_fit_the_program():
+    _, dynamic = original_and_copy("llama")
+    etblocks.swap(dynamic, backend="xnnpack", max_seq_len=32)
+    with pytest.raises(ConfigError, match=r"backend='coreml' takes fixed shapes only"):
+        etblocks.export(dynamic, backend="coreml", out="unused.pte")
+    with pytest.raises(ConfigError, match=r"quantize='16a8w' applies to static programs"):
+        etblocks.export(dynamic, backend="xnnpack", out="unused.pte", quantize="16a8w")
+    _, static = original_and_copy("llama")
+    etblocks.swap(static, backend="openvino", max_seq_len=32, chunk=8)
+    with pytest.raises(ConfigError, match=r"quantize='int4' is not accepted"):
+        etblocks.export(static, backend="portable", out="unused.pte", quantize="int4")
+
+
+@pytest.fixture(scope="module")
+def small_static_program(tmp_path_factory):
+    _, model = original_and_copy("llama")
+    etblocks.swap(model, backend="portable", shapes="static", max_seq_len=16, chunk=4)
+    return etblocks.export(model, backend="portable", out=tmp_path_factory.mktemp("static") / "m.pte").path
+
+
+@pytest.mark.slow
+def test_static_runner_refuses_caches_of_wrong_shape_or_dtype(small_static_program):
+    runner = etblocks.Runner(small_static_program)
+    prompt = prompt_ids(6)[0].tolist()
+    runner.forward(prompt)
+    caches, pos = runner.caches, runner.pos
+    assert [tuple(c.shape) for c in caches] == [(1, 16, 2, 16)] * 4
+    wrong_shape = [*caches[:3], torch.zeros(1, 8, 2, 16)]
+    with pytest.raises(ConfigError, match=r"caches\[3\] \(v_cache.1\) is \(1, 8, 2, 16\) torch.float32; the program takes \(1, 16, 2, 16\) torch.float32"):
+        runner.restore(wrong_shape, pos)
+    with pytest.raises(ConfigError, match=r"caches\[0\] \(k_cache.0\) is \(1, 16, 2, 16\) torch.float16"):
+        runner.restore([caches[0].half(), *caches[1:]], pos)
+    with pytest.raises(ConfigError, match=r"caches: got 3 tensors, the program has 4"):
+        runner.restore(caches[:3], pos)
+    # restoring what it saved continues exactly like the runner that never stopped
+    fresh = etblocks.Runner(small_static_program)
+    fresh.restore(caches, pos)
+    assert fresh.generate([7], max_new_tokens=3) == runner.generate([7], max_new_tokens=3)
+
+
+@pytest.mark.slow
+def test_static_prompt_over_context(small_static_program):
+    runner = etblocks.Runner(small_static_program)
+    with pytest.raises(ContextOverflowError, match=r"prompt of 17 tokens at position 0 .* context is 16"):
+        runner.generate(list(range(3, 20)), max_new_tokens=1)
+    assert runner.pos == 0

@@ -57,20 +57,22 @@ def _qnn() -> list:
 
 @dataclass(frozen=True)
 class Backend:
-    """One ExecuTorch backend. `runtime_name` is its delegate's name in the runtime (None: no delegate)."""
+    """One ExecuTorch backend. `runtime_name` is its delegate's name in the runtime (None: no delegate);
+    `dynamic_shapes` says whether it lowers programs with a dynamic sequence length."""
 
     name: str
     requires: str
     install_hint: str
     runtime_name: str | None
     make_partitioners: Callable[[], list]
+    dynamic_shapes: bool = False
 
 
 BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (
-        Backend("xnnpack", "executorch.backends.xnnpack", "pip install executorch", "XnnpackBackend", _xnnpack),
-        Backend("portable", "executorch.exir", "pip install executorch", None, _portable),
+        Backend("xnnpack", "executorch.backends.xnnpack", "pip install executorch", "XnnpackBackend", _xnnpack, True),
+        Backend("portable", "executorch.exir", "pip install executorch", None, _portable, True),
         Backend("openvino", "openvino", "pip install 'etblocks[openvino]'", "OpenvinoBackend", _openvino),
         Backend("coreml", "coremltools", "pip install coremltools", "CoreMLBackend", _coreml),
         Backend("vulkan", "executorch.backends.vulkan", "pip install executorch", "VulkanBackend", _vulkan),

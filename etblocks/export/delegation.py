@@ -23,6 +23,15 @@ class DelegationSummary:
             totals[backend_id] += count
         return dict(totals)
 
+    @classmethod
+    def combine(cls, summaries) -> DelegationSummary:
+        """One summary for several methods of a program."""
+        total = cls()
+        for summary in summaries:
+            total.partitions.extend(summary.partitions)
+            total.cpu_ops.update(summary.cpu_ops)
+        return total
+
     @property
     def n_cpu_ops(self) -> int:
         return sum(self.cpu_ops.values())

@@ -5,30 +5,42 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 
 from etblocks.errors import ConfigError
-from etblocks.export.backends import partitioners_for
+from etblocks.export.backends import get_backend, partitioners_for
 from etblocks.export.delegation import DelegationSummary, summarize
 from etblocks.export.passes import BACKEND_PASSES
-from etblocks.export.programs import DynamicProgram, dynamic_program
+from etblocks.export.hybrid import attention_on_cpu
+from etblocks.export.programs import StaticProgram, dynamic_program, static_program
+
+if TYPE_CHECKING:
+    from etblocks.export.qnn import QnnReadiness
+from etblocks.export.quantize import quantize_static
 from etblocks.kv_cache.base import reset_caches
-from etblocks.swap.recipes import RECIPES
+from etblocks.swap.recipes import QUANTIZE_QNN
 
 Progress = Callable[[str], None]
 
 
 @dataclass
 class ExportResult:
+    """`delegations` holds one summary per method; `delegation` adds them up."""
+
     path: Path
     backend: str
     methods: list[str]
     metadata: dict
-    delegation: DelegationSummary
+    delegations: dict[str, DelegationSummary]
     seconds: dict[str, float] = field(default_factory=dict)
+    quantize: str | None = None
+
+    @property
+    def delegation(self) -> DelegationSummary:
+        return DelegationSummary.combine(self.delegations.values())
 
     @property
     def size_mb(self) -> float:
@@ -44,23 +56,35 @@ def export(
     bos_id: int | None = None,
     eos_ids: list[int] | None = None,
     vocab_size: int | None = None,
+    quantize: str | None = "auto",
+    calibration: Iterable[Sequence[int]] | None = None,
     progress: Progress | None = None,
 ) -> ExportResult:
-    """Export, lower and save. The program is `forward(tokens[1, T], input_pos[1]) -> logits[1, V]` with T
-    dynamic up to `max_seq_len` (default: the swap's), KV caches as mutable buffers, and the metadata methods
-    ExecuTorch's LLM runner reads. Backend errors (`ConfigError`, `BackendUnavailableError`) come before any work.
+    """Export, lower and save.
+
+    A model swapped for dynamic shapes (or built from blocks) becomes `forward(tokens[1, T], input_pos[1]) ->
+    logits[1, V]` with T dynamic up to `max_seq_len` (default: the swap's), KV caches as mutable buffers, and the
+    metadata methods ExecuTorch's LLM runner reads. A model swapped with static shapes becomes `prefill` and
+    `decode` over one copy of the weights, with the contract of `etblocks.export.contract` recorded in the
+    program. Any backend takes either program, so an NPU swap can be checked on the host.
+
+    `quantize` (static programs): a QnnQuantizer precision ("16a8w", "16a4w", "8a8w") or None; "auto" takes the
+    recipe's when exporting to the recipe's own backend (16a8w for qnn), else None. `calibration` holds token id
+    lists run through the program to calibrate (default: `quantize.default_calibration_prompts`, seeded random ids).
+    Errors (`ConfigError`, `BackendUnavailableError`) come before any work.
     """
     say = progress or (lambda message: None)
     partitioners = check_exportable(backend)
-    program = dynamic_program(model, max_seq_len, bos_id=bos_id, eos_ids=eos_ids, vocab_size=vocab_size)
-    seconds: dict[str, float] = {}
-
     start = time.perf_counter()
-    say(f"exporting with torch.export (T dynamic in 1..{program.max_seq_len})")
-    exported = _torch_export(program)
-    for rewrite in BACKEND_PASSES.get(backend, []):
-        rewrite(exported)
-    seconds["export"] = time.perf_counter() - start
+    program, exported, quantize = _export_methods(
+        model, backend, max_seq_len, bos_id, eos_ids, vocab_size, quantize, calibration, say
+    )
+    if isinstance(program, StaticProgram) and model.etblocks_swap.recipe.partition == "hybrid":
+        partitioners = [attention_on_cpu(p) for p in partitioners]
+    for ep in exported.values():
+        for rewrite in BACKEND_PASSES.get(backend, []):
+            rewrite(ep)
+    seconds = {"export": time.perf_counter() - start}
 
     start = time.perf_counter()
     say(f"lowering to {backend}")
@@ -72,7 +96,7 @@ def export(
         compile_config=EdgeCompileConfig(_check_ir_validity=False),
         constant_methods=program.metadata,
     )
-    delegation = summarize(edge.exported_program().graph_module)
+    delegations = {name: summarize(edge.exported_program(name).graph_module) for name in exported}
     seconds["lower"] = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -82,35 +106,84 @@ def export(
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(executorch_program.buffer)
     seconds["serialize"] = time.perf_counter() - start
-    say(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB); {delegation}")
-    return ExportResult(path, backend, ["forward", *program.metadata], program.metadata, delegation, seconds)
+    result = ExportResult(path, backend, [*exported, *program.metadata], program.metadata, delegations, seconds, quantize)
+    say(f"wrote {path} ({result.size_mb:.1f} MB); {result.delegation}")
+    return result
+
+
+def check_qnn(
+    model: nn.Module,
+    *,
+    max_seq_len: int | None = None,
+    quantize: str | None = "auto",
+    calibration: Iterable[Sequence[int]] | None = None,
+    progress: Progress | None = None,
+) -> dict[str, QnnReadiness]:
+    """QNN readiness without the Qualcomm SDK: the program `export(model, backend="qnn")` would lower (static,
+    quantized as it would be) checked op by op against ExecuTorch's registered QNN op builders, plus static
+    shapes and dtypes. One report per method; `format_readiness` prints them."""
+    from etblocks.export.qnn import qnn_readiness
+
+    say = progress or (lambda message: None)
+    _, exported, _ = _export_methods(model, "qnn", max_seq_len, None, None, None, quantize, calibration, say)
+    say("checking every op against the QNN op builders")
+    return qnn_readiness(exported)
+
+
+def _export_methods(model, backend, max_seq_len, bos_id, eos_ids, vocab_size, quantize, calibration, say):
+    """The program and its methods exported (and, for static programs, quantized) for `backend`."""
+    info = getattr(model, "etblocks_swap", None)
+    static = info is not None and info.recipe.static
+    if not static and not get_backend(backend).dynamic_shapes:
+        raise ConfigError(
+            f"backend={backend!r} takes fixed shapes only; swap with etblocks.swap(model, backend={backend!r}) "
+            "or shapes='static' to get the static prefill/decode program"
+        )
+    if not static:
+        if quantize not in (None, "auto"):
+            raise ConfigError(f"quantize={quantize!r} applies to static programs; swap with shapes='static' (or backend='qnn')")
+        program = dynamic_program(model, max_seq_len, bos_id=bos_id, eos_ids=eos_ids, vocab_size=vocab_size)
+        say(f"exporting with torch.export (T dynamic in 1..{program.max_seq_len})")
+        return program, {"forward": _torch_export(program.module, program.example_inputs(), program.dynamic_shapes())}, None
+    quantize = _static_quantize(info.recipe, backend, quantize)
+    calibration = None if calibration is None else [list(prompt) for prompt in calibration]
+    program = static_program(model, max_seq_len, bos_id=bos_id, eos_ids=eos_ids, quantized=quantize is not None)
+    say(f"exporting prefill (T={program.contract.chunk}) and decode (T=1) with static shapes")
+    exported = {name: _torch_export(program.module, program.example_inputs(name)) for name in program.contract.methods}
+    if quantize is not None:
+        say(f"quantizing with QnnQuantizer ({quantize}) on {len(calibration) if calibration else 'default'} calibration prompts")
+        exported = quantize_static(exported, program.contract, quantize, calibration)
+    return program, exported, quantize
+
+
+def _static_quantize(recipe, backend: str, quantize) -> str | None:
+    if quantize == "auto":
+        return recipe.quantize if backend == recipe.backend else None
+    if quantize is not None and quantize not in QUANTIZE_QNN:
+        raise ConfigError(f"quantize={quantize!r} is not accepted; choose one of {[None, *QUANTIZE_QNN]}")
+    if quantize is not None and recipe.cache != "io":
+        raise ConfigError(f"quantize={quantize!r} needs the static program with cache='io'; this swap has cache={recipe.cache!r}")
+    return quantize
 
 
 def check_exportable(backend: str) -> list:
-    """The partitioners for `backend`, once it is known, usable here and has a program recipe; else the
-    typed error (`ConfigError`, `BackendUnavailableError`). Cheap: call it before loading a model."""
-    partitioners = partitioners_for(backend)
-    if backend not in RECIPES:
-        raise ConfigError(
-            f"backend={backend!r} has no dynamic-shape program recipe yet; accepted for export: {sorted(RECIPES)}"
-        )
-    return partitioners
+    """The partitioners for `backend` once it is known and usable here; else the typed error (`ConfigError`,
+    `BackendUnavailableError`). Cheap: call it before loading a model."""
+    return partitioners_for(backend)
 
 
-def _torch_export(program: DynamicProgram) -> torch.export.ExportedProgram:
+def _torch_export(module: nn.Module, example_inputs: tuple, dynamic_shapes=None) -> torch.export.ExportedProgram:
     from etblocks.attention.sdpa import load_llama_custom_ops
 
     load_llama_custom_ops()
-    reset_caches(program.module)  # buffers' values at export time become the program's initial state
-    was_training = program.module.training
-    program.module.eval()
+    reset_caches(module)  # buffers' values at export time become the program's initial state
+    was_training = module.training
+    module.eval()
     try:
         with torch.no_grad():
-            return torch.export.export(
-                program.module, program.example_inputs(), dynamic_shapes=program.dynamic_shapes(), strict=False
-            )
+            return torch.export.export(module, example_inputs, dynamic_shapes=dynamic_shapes, strict=False)
     finally:
-        program.module.train(was_training)
+        module.train(was_training)
 
 
 def _backend_config():

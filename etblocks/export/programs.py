@@ -8,10 +8,16 @@ import torch
 from torch import nn
 
 from etblocks.errors import ConfigError
+from etblocks.export.contract import CONTRACT_METHOD, CacheGroup, LayerCache, StaticContract
 from etblocks.kv_cache.base import find_caches
+from etblocks.kv_cache.io import IOKVCache
 from etblocks.swap import set_max_seq_len
 from etblocks.swap.hf.model import is_hf_causal_lm
-from etblocks.swap.hf.program import HFDecoderProgram, hf_token_metadata
+from etblocks.swap.hf.program import HFDecoderProgram, HFStaticProgram, hf_token_metadata
+
+# What masked entries of a quantized program's masks hold: -inf has no quantized form (Qualcomm's examples use
+# the same value); float programs use -inf.
+QUANTIZED_MASK_VALUE = -255.0
 
 
 @dataclass(frozen=True)
@@ -42,8 +48,8 @@ def dynamic_program(
     """Wrap a swapped HF model, or take a model built from etblocks blocks as it is. `max_seq_len` (default:
     the caches' length) resizes the caches."""
     hf_model = is_hf_causal_lm(model)
-    if hf_model and getattr(model, "etblocks_swap", None) is None:
-        raise ConfigError(f"{type(model).__name__} has not been swapped; call etblocks.swap(model, backend=...) before export")
+    if hf_model:
+        _swap_info(model)
     caches = find_caches(model)
     if not caches:
         raise ConfigError(f"{type(model).__name__} holds no etblocks KV cache; build it from etblocks blocks")
@@ -66,14 +72,92 @@ def dynamic_program(
     return DynamicProgram(module, max_seq_len, _llm_runner_metadata(max_seq_len, tokens))
 
 
-def _llm_runner_metadata(max_seq_len: int, tokens: dict) -> dict:
+@dataclass(frozen=True)
+class StaticProgram:
+    """Methods `prefill` (T = chunk) and `decode` (T = 1) of one module with fixed shapes; see
+    `etblocks.export.contract` for their inputs and outputs."""
+
+    module: nn.Module
+    contract: StaticContract
+    metadata: dict
+
+    def example_inputs(self, method: str) -> tuple[torch.Tensor, ...]:
+        contract = self.contract
+        width = contract.methods[method]
+        tokens = torch.zeros(1, width, dtype=torch.long)
+        if contract.cache == "inplace":
+            return tokens, torch.zeros(1, dtype=torch.long)
+        dtype = contract.torch_dtype
+        masks = [torch.zeros(width, group.length + width, dtype=dtype) for group in contract.groups]
+        caches = [torch.zeros(contract.cache_shape(i), dtype=dtype) for i in range(len(contract.layers)) for _ in "kv"]
+        return (tokens, torch.arange(width).unsqueeze(0), *masks, *caches)
+
+
+def static_program(
+    model: nn.Module,
+    max_seq_len: int | None = None,
+    bos_id: int | None = None,
+    eos_ids: list[int] | None = None,
+    quantized: bool = False,
+) -> StaticProgram:
+    """The static program of a transformers model swapped with `shapes="static"`; `max_seq_len` (default: the
+    swap's) is the context its caches hold."""
+    info = _swap_info(model)
+    if not info.recipe.static:
+        raise ConfigError(
+            f"this model was swapped for dynamic shapes (backend={info.recipe.backend!r}); the static program needs "
+            "etblocks.swap(model, backend=..., shapes='static') or an NPU backend (qnn, coreml, openvino, vulkan)"
+        )
+    if max_seq_len is not None:
+        set_max_seq_len(model, max_seq_len)
+    max_seq_len = model.etblocks_swap.max_seq_len
+    chunk = info.recipe.chunk
+    if chunk > max_seq_len:
+        raise ConfigError(f"chunk={chunk} is larger than the context max_seq_len={max_seq_len}; give chunk <= {max_seq_len}")
+    tokens = hf_token_metadata(model)
+    dtype = str(info.recipe.dtype).removeprefix("torch.")
+    common = dict(chunk=chunk, max_context_len=max_seq_len, vocab_size=tokens["vocab_size"], dtype=dtype)
+    if info.recipe.cache == "inplace":
+        contract = StaticContract(cache="inplace", mask_value=float("-inf"), **common)
+        module = HFDecoderProgram(model)
+    else:
+        blocks = [m for m in model.modules() if isinstance(getattr(m, "kv_cache", None), IOKVCache)]
+        groups: dict[int | None, CacheGroup] = {}
+        layers = []
+        for block in blocks:
+            window = block.sdpa.sliding_window
+            if window not in groups:
+                groups[window] = CacheGroup("full" if window is None else f"window{window}", window or max_seq_len, window)
+            layers.append(LayerCache(groups[window].name, block.n_kv_heads, block.head_dim))
+        order = list(groups)
+        mask_value = QUANTIZED_MASK_VALUE if quantized else float("-inf")
+        contract = StaticContract(
+            cache="io", mask_value=mask_value, groups=tuple(groups.values()), layers=tuple(layers), **common
+        )
+        module = HFStaticProgram(model, blocks, [order.index(block.sdpa.sliding_window) for block in blocks])
+    for key, value in (("bos_id", bos_id), ("eos_ids", eos_ids)):
+        if value is not None:
+            tokens[key] = value if key == "bos_id" else list(value)
+    metadata = _llm_runner_metadata(max_seq_len, tokens, dynamic=False)
+    metadata[CONTRACT_METHOD] = contract.as_constant()
+    return StaticProgram(module, contract, metadata)
+
+
+def _swap_info(model: nn.Module):
+    info = getattr(model, "etblocks_swap", None)
+    if info is None:
+        raise ConfigError(f"{type(model).__name__} has not been swapped; call etblocks.swap(model, backend=...) before export")
+    return info
+
+
+def _llm_runner_metadata(max_seq_len: int, tokens: dict, dynamic: bool = True) -> dict:
     metadata = {
         "get_max_seq_len": max_seq_len,
         "get_max_context_len": max_seq_len,
         "get_vocab_size": tokens["vocab_size"],
         "get_n_layers": tokens["n_layers"],
         "use_kv_cache": True,
-        "enable_dynamic_shape": True,
+        "enable_dynamic_shape": dynamic,
         "use_sdpa_with_kv_cache": False,
     }
     if tokens["eos_ids"]:

@@ -3,21 +3,52 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 
 from etblocks.errors import ConfigError, ContextOverflowError
+from etblocks.export.contract import CONTRACT_METHOD, StaticContract
+from etblocks.export.static_driver import StaticDriver
+
+
+class DynamicDriver:
+    """Feeds `forward(tokens [1, T], input_pos [1])` chunks of at most `max_seq_len` tokens."""
+
+    def __init__(self, method, max_seq_len: int, max_context_len: int) -> None:
+        self.method = method
+        self.max_seq_len = max_seq_len
+        self.max_context_len = max_context_len
+        self.pos = 0
+
+    def reset(self) -> None:
+        """Stale cache rows are never read: attention masks by position."""
+        self.pos = 0
+
+    def forward(self, tokens: Sequence[int]) -> torch.Tensor:
+        if self.pos + len(tokens) > self.max_context_len:
+            raise ContextOverflowError(
+                f"{len(tokens)} tokens at position {self.pos} exceed the context of {self.max_context_len} tokens"
+            )
+        logits = None
+        for start in range(0, len(tokens), self.max_seq_len):
+            chunk = torch.tensor([list(tokens[start : start + self.max_seq_len])], dtype=torch.long)
+            logits = self.method.execute([chunk, torch.tensor([self.pos], dtype=torch.long)])[0]
+            self.pos += chunk.shape[1]
+        return logits.reshape(-1, logits.shape[-1])[-1]
 
 
 class Runner:
-    """Loads a .pte with a dynamic `forward(tokens[1, T], input_pos[1])` and generates from token ids.
+    """Generates from token ids with an etblocks program through the ExecuTorch Python runtime.
 
-    The runner keeps the absolute position across `generate` calls (a chat continues where it stopped);
-    `reset()` starts a new sequence.
+    It reads the program's contract: a dynamic `forward(tokens[1, T], input_pos[1])`, or a static `prefill` /
+    `decode` pair with caller-owned caches, which the runner then owns (see `etblocks.export.contract`). The
+    absolute position carries across `generate` calls (a chat continues where it stopped); `reset()` starts a
+    new sequence. `decode_tail` (static programs): a prompt remainder of at most this many tokens goes through
+    `decode` token by token instead of a padded `prefill` (default: chunk // 8).
     """
 
-    def __init__(self, path: str | Path, data_path: str | Path | None = None) -> None:
+    def __init__(self, path: str | Path, data_path: str | Path | None = None, decode_tail: int | None = None) -> None:
         from executorch.runtime import Runtime
 
         from etblocks.attention.sdpa import load_llama_custom_ops
@@ -29,13 +60,22 @@ class Runner:
         kwargs = {"data_path": str(data_path)} if data_path else {}
         self.program = Runtime.get().load_program(str(path), **kwargs)
         methods = set(self.program.method_names)
-        if "forward" not in methods or "get_max_seq_len" not in methods:
-            raise ConfigError(f"{path} has methods {sorted(methods)}; expected 'forward' and the LLM metadata methods")
-        self.max_seq_len = int(self._constant("get_max_seq_len"))
-        self.max_context_len = int(self._constant("get_max_context_len", self.max_seq_len))
         self.eos_ids = [int(t) for t in self._constant("get_eos_ids", [])]
-        self._forward = self.program.load_method("forward")
-        self.pos = 0
+        self.contract: StaticContract | None = None
+        self._unfed: list[int] = []  # the last generated token: part of the sequence, not yet in the caches
+        if CONTRACT_METHOD in methods:
+            self.contract = StaticContract.from_constant(self.program.load_method(CONTRACT_METHOD).execute([]))
+            loaded = {name: self.program.load_method(name) for name in self.contract.methods}
+            self._driver = StaticDriver(self.contract, lambda name, inputs: loaded[name].execute(inputs), decode_tail)
+        elif "forward" in methods and "get_max_seq_len" in methods:
+            max_seq_len = int(self._constant("get_max_seq_len"))
+            max_context_len = int(self._constant("get_max_context_len", max_seq_len))
+            self._driver = DynamicDriver(self.program.load_method("forward"), max_seq_len, max_context_len)
+        else:
+            raise ConfigError(
+                f"{path} has methods {sorted(methods)}; expected 'forward' with the LLM metadata methods, or an "
+                f"etblocks static program ('prefill', 'decode', '{CONTRACT_METHOD}')"
+            )
 
     def _constant(self, name: str, default=None):
         if name not in self.program.method_names:
@@ -43,22 +83,45 @@ class Runner:
         value = self.program.load_method(name).execute([])
         return value if len(value) > 1 or name == "get_eos_ids" else value[0]
 
-    def reset(self) -> None:
-        """Start a new sequence. Stale cache rows are never read: attention masks by position."""
-        self.pos = 0
+    @property
+    def pos(self) -> int:
+        """Where the next tokens go: the positions of the current sequence so far, including the last generated
+        token, which is fed (once) with whatever comes next."""
+        return self._driver.pos + len(self._unfed)
 
-    def forward(self, tokens: list[int]) -> torch.Tensor:
-        """Feed tokens at the current position (in chunks of at most `max_seq_len`); return the last logits."""
-        if self.pos + len(tokens) > self.max_context_len:
+    @property
+    def max_context_len(self) -> int:
+        return self._driver.max_context_len
+
+    @property
+    def caches(self) -> list[torch.Tensor]:
+        """A static program's caches `[k0, v0, k1, v1, ...]` (copies), e.g. to save a prompt's state."""
+        if self.contract is None or self.contract.cache != "io":
+            raise ConfigError("this program keeps its KV caches inside; only static io-cache programs expose them")
+        return [cache.clone() for cache in self._driver.caches]
+
+    def restore(self, caches: Sequence[torch.Tensor], pos: int) -> None:
+        """Continue a static program from saved `caches` holding `pos` positions; `ConfigError` if their number,
+        shapes or dtypes do not match the program's."""
+        if self.contract is None:
+            raise ConfigError("restore() needs a static program with caller-owned caches; this one is dynamic")
+        self._driver.restore(caches, pos)
+        self._unfed = []
+
+    def reset(self) -> None:
+        """Start a new sequence."""
+        self._driver.reset()
+        self._unfed = []
+
+    def forward(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Feed tokens at the current position; return the logits `[V]` after the last one."""
+        tokens = self._unfed + list(tokens)
+        if self._driver.pos + len(tokens) > self.max_context_len:
             raise ContextOverflowError(
-                f"{len(tokens)} tokens at position {self.pos} exceed the context of {self.max_context_len} tokens"
+                f"{len(tokens)} tokens at position {self._driver.pos} exceed the context of {self.max_context_len} tokens"
             )
-        logits = None
-        for start in range(0, len(tokens), self.max_seq_len):
-            chunk = torch.tensor([tokens[start : start + self.max_seq_len]], dtype=torch.long)
-            logits = self._forward.execute([chunk, torch.tensor([self.pos], dtype=torch.long)])[0]
-            self.pos += chunk.shape[1]
-        return logits.reshape(-1, logits.shape[-1])[-1]
+        self._unfed = []
+        return self._driver.forward(tokens)
 
     def generate(
         self,
@@ -92,6 +155,7 @@ class Runner:
             token = sample(logits, temperature, top_p, generator)
             new_tokens.append(token)
             if token in stop or len(new_tokens) == max_new_tokens:
+                self._unfed = [token]
                 return new_tokens
             logits = self.forward([token])
 

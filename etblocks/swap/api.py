@@ -7,8 +7,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from etblocks.attention.masks import additive_mask, allowed_keys
 from etblocks.errors import ConfigError, UnsupportedModelError
 from etblocks.kv_cache.base import find_caches, reset_caches
+from etblocks.kv_cache.io import IOKVCache
 from etblocks.swap.hf import model as hf
 from etblocks.swap.hf.convert import build_attention
 from etblocks.swap.hf.families import register_families
@@ -41,8 +43,9 @@ def swap(
 ) -> nn.Module:
     """Replace every attention module of a transformers causal LM with an etblocks block, in place.
 
-    The backend's recipe (see `etblocks.swap.recipes`) picks SDPA and cache; keyword arguments override single
-    choices (`sdpa="dynamic"`). Every module is converted and, unless `verify=False`, compared with its
+    The backend's recipe (see `etblocks.swap.recipes`) picks attention, SDPA, cache and shapes; keyword
+    arguments override single choices (`sdpa="dynamic"`, `shapes="static", chunk=32`). NPU backends (qnn, coreml,
+    openvino, vulkan) get the static contract: fixed-shape `prefill` and `decode` with caller-owned caches. Every module is converted and, unless `verify=False`, compared with its
     original on a probe input before anything is changed: on any failure the model is left untouched and
     `UnsupportedModelError` (or `ConfigError` for options) says which module and why.
     """
@@ -55,6 +58,8 @@ def swap(
             "Models built from etblocks blocks need no swap: pass them to etblocks.export directly."
         )
     max_seq_len = _check_max_seq_len(model, max_seq_len)
+    if recipe.static and recipe.chunk > max_seq_len:
+        raise ConfigError(f"chunk={recipe.chunk} is larger than the context max_seq_len={max_seq_len}; give chunk <= {max_seq_len}")
     ctx = SwapContext(recipe=recipe, max_seq_len=max_seq_len)
 
     targets = hf.attention_modules(model)
@@ -137,6 +142,7 @@ def _verify(model: nn.Module, targets, replacements, max_seq_len: int) -> None:
                 raise UnsupportedModelError(f"{name} ({type(original).__name__}) was not called in a forward pass")
             args, kwargs, expected = calls[id(original)]
             try:
+                _bind_empty_io_cache(new, kwargs.get("position_ids"))
                 actual = new(*args, **kwargs)[0]
             except Exception as exc:  # any failure of the replacement on real inputs means "cannot swap"
                 raise UnsupportedModelError(
@@ -144,6 +150,8 @@ def _verify(model: nn.Module, targets, replacements, max_seq_len: int) -> None:
                 ) from exc
             finally:
                 reset_caches(new)
+                if isinstance(getattr(new, "kv_cache", None), IOKVCache):
+                    new.kv_cache.unbind()
             error = (actual - expected).abs().max().item()
             tolerance = 1e-4 * max(1.0, expected.abs().max().item())
             if not error <= tolerance:
@@ -152,6 +160,17 @@ def _verify(model: nn.Module, targets, replacements, max_seq_len: int) -> None:
                     f"{probe_len} tokens: max abs error {error:.3g} > tolerance {tolerance:.3g}. "
                     "Register a converter for this class (etblocks.register) or pass verify=False at your own risk."
                 )
+
+
+def _bind_empty_io_cache(block: nn.Module, position_ids: torch.Tensor | None) -> None:
+    """A block with a caller-owned cache is probed as a static program's first chunk: empty caches, causal mask."""
+    cache = getattr(block, "kv_cache", None)
+    if not isinstance(cache, IOKVCache) or position_ids is None:
+        return
+    positions = position_ids[0]
+    empty = torch.zeros(1, 0, block.n_kv_heads, block.head_dim, dtype=next(block.parameters()).dtype)
+    mask = additive_mask(allowed_keys(positions, positions, block.sdpa.sliding_window))
+    cache.bind(empty, empty, mask)
 
 
 def _commit(model: nn.Module, replacements, recipe: Recipe) -> None:

@@ -1,4 +1,5 @@
-"""Recipes: per backend, which blocks a swap builds. Data only; adding a backend is adding an entry."""
+"""Recipes: per backend, which blocks a swap builds and how export treats them. Data only; adding a backend is
+adding an entry."""
 
 from __future__ import annotations
 
@@ -10,44 +11,128 @@ import torch
 
 from etblocks.errors import ConfigError
 
+QUANTIZE_QNN = ("16a8w", "16a4w", "8a8w")
+
 
 @dataclass(frozen=True)
 class Recipe:
-    """What `swap(model, backend=...)` builds.
+    """What `swap(model, backend=...)` builds and what `export` does with it.
 
-    sdpa: "custom" uses `llama::custom_sdpa` where a layer allows it (no softcap, no window), "dynamic" is
-        plain torch everywhere.
-    cache_update: "custom" writes with `llama::update_cache`, "index_copy" with portable `index_copy_`.
-    shapes: "dynamic" exports `forward(tokens[1, T], input_pos[1])` with T dynamic.
+    shapes: "dynamic" exports `forward(tokens[1, T], input_pos[1])` with T dynamic and caches as mutable buffers;
+        "static" exports `prefill` (T = `chunk`) and `decode` (T = 1) with fixed shapes.
+    cache: "inplace" keeps the caches in the program as mutable buffers; "io" makes them program inputs and the
+        new rows outputs (static only: NPUs hold no state between calls).
+    sdpa: "custom" uses `llama::custom_sdpa` where a layer allows it (no softcap, no window), "dynamic" is plain
+        torch masked from positions, "static" is plain torch with the caller's mask (the "io" cache's partner).
+    cache_update: "custom" writes in-place caches with `llama::update_cache`, "index_copy" with `index_copy_`.
+    attention: "mha" keeps heads in one tensor; "sha" computes each head on its own (Qualcomm HTP).
+    linear: "conv2d" turns the attention projections into 1x1 convolutions (HTP's fastest matmul).
+    partition: "hybrid" delegates only the fixed-shape projections and MLP and keeps attention with its in-place
+        cache on CPU (static shapes, "inplace" cache).
+    quantize: what `export` to this backend quantizes with unless told otherwise (QnnQuantizer precisions).
+    dtype: the floating dtype of the swapped model and its caches.
     """
 
     backend: str
-    sdpa: Literal["custom", "dynamic"]
-    cache_update: Literal["custom", "index_copy"]
-    shapes: Literal["dynamic"] = "dynamic"
+    sdpa: Literal["custom", "dynamic", "static"]
+    cache_update: Literal["custom", "index_copy"] = "index_copy"
+    shapes: Literal["dynamic", "static"] = "dynamic"
+    cache: Literal["inplace", "io"] = "inplace"
+    chunk: int = 32
+    attention: Literal["mha", "sha"] = "mha"
+    linear: Literal["linear", "conv2d"] = "linear"
+    partition: Literal["all", "hybrid"] = "all"
+    quantize: str | None = None
     dtype: torch.dtype = torch.float32
 
+    @property
+    def static(self) -> bool:
+        return self.shapes == "static"
+
+
+_NPU = dict(shapes="static", cache="io", sdpa="static")
 
 RECIPES: dict[str, Recipe] = {
     "xnnpack": Recipe(backend="xnnpack", sdpa="custom", cache_update="custom"),
-    "portable": Recipe(backend="portable", sdpa="dynamic", cache_update="index_copy"),
+    "portable": Recipe(backend="portable", sdpa="dynamic"),
+    "openvino": Recipe(backend="openvino", **_NPU),
+    "coreml": Recipe(backend="coreml", **_NPU),
+    "vulkan": Recipe(backend="vulkan", **_NPU),
+    "qnn": Recipe(backend="qnn", attention="sha", linear="conv2d", quantize="16a8w", **_NPU),
 }
 
-_CHOICES = {"sdpa": ("custom", "dynamic"), "cache_update": ("custom", "index_copy"), "shapes": ("dynamic",)}
+_CHOICES = {
+    "sdpa": ("custom", "dynamic", "static"),
+    "cache_update": ("custom", "index_copy"),
+    "shapes": ("dynamic", "static"),
+    "cache": ("inplace", "io"),
+    "attention": ("mha", "sha"),
+    "linear": ("linear", "conv2d"),
+    "partition": ("all", "hybrid"),
+    "quantize": (None, *QUANTIZE_QNN),
+}
+# Options a backend's recipe cannot take, with the reason the error gives.
+_UNSUPPORTED = {
+    ("coreml", "quantize"): "Core ML programs are fp32 or fp16 (dtype=torch.float16); QnnQuantizer precisions are for qnn",
+    ("vulkan", "quantize"): "QnnQuantizer precisions are for qnn",
+    ("openvino", "quantize"): "QnnQuantizer precisions are for qnn",
+    ("xnnpack", "quantize"): "QnnQuantizer precisions are for qnn",
+    ("portable", "quantize"): "QnnQuantizer precisions are for qnn",
+}
 
 
 def resolve_recipe(backend: str, **overrides) -> Recipe:
-    """The recipe for `backend` with single choices overridden; unknown names raise `ConfigError`."""
+    """The recipe for `backend` with single choices overridden; unknown or inconsistent options raise `ConfigError`.
+
+    `shapes="static"` on a dynamic backend also switches to caller-owned caches and the static SDPA, unless
+    `cache`/`sdpa`/`partition` say otherwise.
+    """
     if backend not in RECIPES:
         raise ConfigError(f"backend={backend!r} has no swap recipe; accepted: {sorted(RECIPES)}")
-    recipe = RECIPES[backend]
     for key, value in overrides.items():
-        if key == "dtype":
-            if not isinstance(value, torch.dtype) or not value.is_floating_point:
-                raise ConfigError(f"dtype={value!r} is not accepted; give a floating torch.dtype such as torch.float32")
-            continue
-        if key not in _CHOICES:
-            raise ConfigError(f"unknown recipe option {key}={value!r}; accepted options: {sorted(_CHOICES) + ['dtype']}")
-        if value not in _CHOICES[key]:
-            raise ConfigError(f"{key}={value!r} is not accepted; choose one of {list(_CHOICES[key])}")
-    return dataclasses.replace(recipe, **overrides)
+        _check_option(backend, key, value)
+    recipe = RECIPES[backend]
+    if overrides.get("partition") == "hybrid":
+        overrides = {"shapes": "static", "cache": "inplace", **overrides}
+    if overrides.get("shapes") == "static" and not recipe.static and overrides.get("cache", "io") == "io":
+        overrides = {**_NPU, **overrides}
+    recipe = dataclasses.replace(recipe, **overrides)
+    _check_consistent(recipe)
+    return recipe
+
+
+def _check_option(backend: str, key: str, value) -> None:
+    if key == "dtype":
+        if not isinstance(value, torch.dtype) or not value.is_floating_point:
+            raise ConfigError(f"dtype={value!r} is not accepted; give a floating torch.dtype such as torch.float32")
+        return
+    if key == "chunk":
+        if not isinstance(value, int) or isinstance(value, bool) or value < 2:
+            raise ConfigError(f"chunk={value!r} is not accepted; give an integer >= 2 (decode is the T=1 method)")
+        return
+    if key not in _CHOICES:
+        raise ConfigError(f"unknown recipe option {key}={value!r}; accepted options: {sorted(_CHOICES) + ['chunk', 'dtype']}")
+    if value not in _CHOICES[key]:
+        raise ConfigError(f"{key}={value!r} is not accepted; choose one of {list(_CHOICES[key])}")
+    if value is not None and (backend, key) in _UNSUPPORTED:
+        raise ConfigError(f"backend={backend!r} does not support {key}={value!r}: {_UNSUPPORTED[backend, key]}")
+
+
+def _check_consistent(recipe: Recipe) -> None:
+    problems = []
+    if recipe.cache == "io" and not recipe.static:
+        problems.append("cache='io' needs shapes='static' (a dynamic program keeps its caches in place)")
+    if recipe.cache == "io" and recipe.sdpa != "static":
+        problems.append(f"cache='io' attends with the caller's mask: it needs sdpa='static', not {recipe.sdpa!r}")
+    if recipe.cache == "inplace" and recipe.sdpa == "static":
+        problems.append("sdpa='static' needs cache='io' (an in-place cache builds its mask from positions)")
+    if recipe.attention == "sha" and recipe.cache != "io":
+        problems.append("attention='sha' is a static block: it needs shapes='static' and cache='io'")
+    if recipe.linear == "conv2d" and recipe.attention != "sha":
+        problems.append("linear='conv2d' applies to the per-head projections of attention='sha'")
+    if recipe.partition == "hybrid" and (recipe.cache != "inplace" or not recipe.static):
+        problems.append("partition='hybrid' keeps an in-place cache on CPU: it needs shapes='static', cache='inplace'")
+    if recipe.quantize is not None and recipe.cache != "io":
+        problems.append(f"quantize={recipe.quantize!r} applies to the static program with cache='io'")
+    if problems:
+        raise ConfigError(f"backend={recipe.backend!r}: " + "; ".join(problems))

@@ -1,20 +1,22 @@
-"""The thin layer between transformers' attention call and an etblocks `Attention` block."""
+"""The thin layer between transformers' attention call and etblocks attention blocks."""
 
 from __future__ import annotations
 
 import torch
 
 from etblocks.attention.mha import Attention
+from etblocks.attention.sha import SingleHeadAttention
+from etblocks.kv_cache.io import IOKVCache
 
 
-class HFAttention(Attention):
-    """An `Attention` block that accepts transformers' attention call and returns `(output, None)`.
+class HFCall:
+    """Mixin: accept transformers' attention call, run the block, return `(output, None)`.
 
-    It keeps its own KV cache: transformers' `cache` argument is ignored, and the absolute positions come from
-    `position_ids` (`[1, T]`), which the HF decoder layers pass down. `position_embeddings` are the `(cos, sin)`
-    the HF model computed for this layer, so every rope variant the model knows is reproduced exactly.
-    Parameter names stay the upstream ones (`q_proj`, `o_proj`, `q_norm`, ...), so state dicts and adapter
-    targets do not change. `use_rope=False` marks a layer without rotation (SmolLM3's NoPE layers).
+    The block keeps its own KV cache (or gets a caller-owned one bound by the static program): transformers'
+    `cache` argument is ignored, and the absolute positions come from `position_ids` (`[1, T]`), which the HF
+    decoder layers pass down. `position_embeddings` are the `(cos, sin)` the HF model computed for this layer,
+    so every rope variant the model knows is reproduced exactly. `use_rope=False` marks a layer without
+    rotation (SmolLM3's NoPE layers).
     """
 
     use_rope: bool = True
@@ -35,4 +37,18 @@ class HFAttention(Attention):
         if position_ids.shape[0] != 1:
             raise ValueError(f"etblocks caches hold one sequence; got position_ids of shape {tuple(position_ids.shape)}")
         rope = position_embeddings if self.use_rope else None
+        if isinstance(self.kv_cache, IOKVCache):
+            k_cache, v_cache, mask = self.kv_cache.bound()
+            y, k_new, v_new = super().forward(hidden_states, position_ids[0], rope, kv=(k_cache, v_cache), mask=mask)
+            self.kv_cache.emit(k_new, v_new)
+            return y, None
         return super().forward(hidden_states, position_ids[0], position_embeddings=rope), None
+
+
+class HFAttention(HFCall, Attention):
+    """An `Attention` block called the transformers way. Parameter names stay the upstream ones (`q_proj`,
+    `o_proj`, `q_norm`, ...), so state dicts and adapter targets do not change."""
+
+
+class HFSingleHeadAttention(HFCall, SingleHeadAttention):
+    """A `SingleHeadAttention` block called the transformers way (the qnn recipe's attention)."""

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from etblocks.attention.sdpa import SDPA, CustomSDPA, DynamicSDPA
+from etblocks.attention.sdpa import SDPA, CustomSDPA, DynamicSDPA, StaticSDPA
+from etblocks.kv_cache.io import IOKVCache
 from etblocks.kv_cache.ring import RingKVCache
 from etblocks.kv_cache.static import StaticKVCache
-from etblocks.swap.hf.adapter import HFAttention
+from etblocks.swap.hf.adapter import HFAttention, HFSingleHeadAttention
 from etblocks.swap.registry import SwapContext
 
 
@@ -39,8 +40,9 @@ def sliding_window_of(module: nn.Module, layout: HFAttentionLayout) -> int | Non
 
 def build_attention(
     module: nn.Module, layout: HFAttentionLayout, ctx: SwapContext, sliding_window: int | None = ...
-) -> HFAttention:
-    """An `HFAttention` holding `module`'s projections and norms, with cache and SDPA chosen by the recipe.
+) -> HFAttention | HFSingleHeadAttention:
+    """An `HFAttention` (or, for `attention="sha"`, an `HFSingleHeadAttention`) holding `module`'s projections
+    and norms, with cache and SDPA chosen by the recipe.
 
     `sliding_window` overrides what the layout reads (for families that decide per layer in code).
     """
@@ -76,6 +78,8 @@ def build_attention(
         k_norm=getattr(module, layout.k_norm) if layout.qk_norm else None,
         qk_norm_layout=layout.qk_norm or "head",
     )
+    if ctx.recipe.attention == "sha":
+        block = HFSingleHeadAttention.from_attention(block, conv2d=ctx.recipe.linear == "conv2d")
     block.layer_idx = getattr(module, "layer_idx", None)
     block.use_rope = bool(getattr(module, "use_rope", True))
     return block.to(weight.device)
@@ -83,6 +87,8 @@ def build_attention(
 
 def _sdpa_and_cache(scale, softcap, window, n_kv_heads, head_dim, dtype, ctx: SwapContext) -> tuple[SDPA, nn.Module]:
     recipe = ctx.recipe
+    if recipe.cache == "io":  # the program's caller owns the caches: a window only shortens the mask it gives
+        return StaticSDPA(scale, softcap, window), IOKVCache(n_kv_heads, head_dim)
     if window is not None:
         cache = RingKVCache(ctx.max_batch_size, window, n_kv_heads, head_dim, dtype)
         return DynamicSDPA(scale, softcap, window), cache

@@ -35,3 +35,27 @@ def hf_token_metadata(model: nn.Module) -> dict:
         "eos_ids": eos,
         "n_layers": config.num_hidden_layers,
     }
+
+
+class HFStaticProgram(nn.Module):
+    """The static contract with caller-owned caches (see `etblocks.export.contract`):
+    `forward(tokens [1, T], positions [1, T], *masks [T, L + T], *caches [1, L, Hkv, D])
+    -> (logits [1, T, V], k_new_0, v_new_0, ...)`.
+
+    `mask_of_layer[i]` is the index (among the masks) of the mask layer i reads. Each layer's IO cache gets its
+    inputs bound before the transformers forward and hands its new rows back after it.
+    """
+
+    def __init__(self, model: nn.Module, blocks: list[nn.Module], mask_of_layer: list[int]) -> None:
+        super().__init__()
+        self.model = model
+        self._blocks = blocks  # a plain list: they are registered once, under `model`
+        self.mask_of_layer = mask_of_layer
+        self.n_masks = max(mask_of_layer) + 1
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, *masks_and_caches: torch.Tensor):
+        masks, caches = masks_and_caches[: self.n_masks], masks_and_caches[self.n_masks :]
+        for i, block in enumerate(self._blocks):
+            block.kv_cache.bind(caches[2 * i], caches[2 * i + 1], masks[self.mask_of_layer[i]])
+        logits = self.model(input_ids=tokens, position_ids=positions, use_cache=False).logits
+        return (logits, *(rows for block in self._blocks for rows in block.kv_cache.take()))

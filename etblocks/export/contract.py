@@ -1,0 +1,106 @@
+"""The static program contract: what `prefill` and `decode` take and return, recorded in the program itself.
+
+A static program has fixed shapes. With caller-owned ("io") caches its methods take
+`(tokens int64 [1, T], positions int64 [1, T], *masks, *caches)` and return `(logits [1, T, V], *new_rows)`:
+- one additive mask `[T, L + T]` per cache group (full attention, or a sliding window W with its own length L),
+- per layer `k_cache`, `v_cache` `[1, L, Hkv, D]` of its group's length, and the T new rows of each `[1, T, Hkv, D]`.
+With in-place caches (hybrid partition) they take `(tokens int64 [1, T], input_pos int64 [1])` and return the
+last token's logits `[1, V]`, like the dynamic contract at fixed T.
+
+The contract travels as JSON in the program's `etblocks_contract` method, so a runner never guesses.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import torch
+
+CONTRACT_METHOD = "etblocks_contract"
+CONTRACT_VERSION = "etblocks.static/1"
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    """Layers that share one mask: full attention (`window=None`, `length` = the context) or one sliding window
+    (`length` = `window` rows used as a ring: position p lives in row p % length)."""
+
+    name: str
+    length: int
+    window: int | None
+
+
+@dataclass(frozen=True)
+class LayerCache:
+    group: str
+    n_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class StaticContract:
+    chunk: int
+    max_context_len: int
+    vocab_size: int
+    cache: str  # "io" or "inplace"
+    dtype: str  # masks and caches, e.g. "float32"
+    mask_value: float  # what masked mask entries hold
+    groups: tuple[CacheGroup, ...] = ()
+    layers: tuple[LayerCache, ...] = ()
+
+    @property
+    def methods(self) -> dict[str, int]:
+        """Method name -> its fixed number of tokens."""
+        return {"prefill": self.chunk, "decode": 1}
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def group(self, name: str) -> CacheGroup:
+        return next(g for g in self.groups if g.name == name)
+
+    def cache_shape(self, layer: int) -> tuple[int, int, int, int]:
+        spec = self.layers[layer]
+        return (1, self.group(spec.group).length, spec.n_kv_heads, spec.head_dim)
+
+    def inputs(self) -> list[str]:
+        if self.cache == "inplace":
+            return ["tokens", "input_pos"]
+        caches = [f"{kv}_cache.{i}" for i in range(len(self.layers)) for kv in ("k", "v")]
+        return ["tokens", "positions", *(f"mask.{g.name}" for g in self.groups), *caches]
+
+    def outputs(self) -> list[str]:
+        if self.cache == "inplace":
+            return ["logits_last"]
+        return ["logits", *(f"{kv}_new.{i}" for i in range(len(self.layers)) for kv in ("k", "v"))]
+
+    def to_json(self) -> str:
+        body = asdict(self)
+        body.update(contract=CONTRACT_VERSION, methods=self.methods, inputs=self.inputs(), outputs=self.outputs())
+        return json.dumps(body)
+
+    @classmethod
+    def from_json(cls, text: str) -> StaticContract:
+        body = json.loads(text)
+        if body.get("contract") != CONTRACT_VERSION:
+            raise ValueError(f"unknown program contract {body.get('contract')!r}; this etblocks reads {CONTRACT_VERSION!r}")
+        return cls(
+            chunk=body["chunk"],
+            max_context_len=body["max_context_len"],
+            vocab_size=body["vocab_size"],
+            cache=body["cache"],
+            dtype=body["dtype"],
+            mask_value=body["mask_value"],
+            groups=tuple(CacheGroup(**g) for g in body["groups"]),
+            layers=tuple(LayerCache(**layer) for layer in body["layers"]),
+        )
+
+    def as_constant(self) -> list[int]:
+        """The JSON as UTF-8 byte values: ExecuTorch constant methods return ints, not strings."""
+        return list(self.to_json().encode())
+
+    @classmethod
+    def from_constant(cls, values) -> StaticContract:
+        return cls.from_json(bytes(int(v) for v in values).decode())

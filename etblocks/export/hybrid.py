@@ -1,0 +1,67 @@
+"""Hybrid partition: delegate the fixed-shape projections and MLP, keep attention's in-place cache and its
+dynamic-length attention on CPU (ExecuTorch forum, "Support of Dynamic and Static Shape in One Module").
+
+An NPU holds no state between calls and takes fixed shapes only; the cache update and the attention over the
+filled part of the cache are neither. Everything else of a static program is, so it goes to the delegate.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from etblocks.attention.sdpa import SDPA
+from etblocks.errors import ConfigError
+from etblocks.kv_cache.base import KVCache
+
+
+def _subclass_names(cls: type) -> set[str]:
+    names, todo = set(), [cls]
+    while todo:
+        current = todo.pop()
+        names.add(f"{current.__module__}.{current.__qualname__}")
+        todo.extend(current.__subclasses__())
+    return names
+
+
+def in_attention_core(node: torch.fx.Node) -> bool:
+    """Whether `node` was traced inside an SDPA or a KV cache module (by the node's module stack)."""
+    core = _subclass_names(SDPA) | _subclass_names(KVCache)
+    for _, module_type in node.meta.get("nn_module_stack", {}).values():
+        name = module_type if isinstance(module_type, str) else f"{module_type.__module__}.{module_type.__qualname__}"
+        if name in core:
+            return True
+    return False
+
+
+def attention_on_cpu(partitioner):
+    """Wrap a configuration-based partitioner (XNNPACK's) so it leaves attention-core nodes on CPU."""
+    from executorch.exir.backend.canonical_partitioners.config_partitioner import ConfigerationBasedPartitioner
+    from executorch.exir.backend.canonical_partitioners.pattern_op_partitioner import (
+        generate_grouped_partitions_from_list_of_nodes,
+    )
+    from executorch.exir.backend.partitioner import Partitioner, PartitionResult
+
+    if not isinstance(partitioner, ConfigerationBasedPartitioner):
+        raise ConfigError(
+            f"partition='hybrid' works with configuration-based partitioners (XNNPACK); got {type(partitioner).__name__}"
+        )
+
+    class AttentionOnCpu(Partitioner):
+        def ops_to_not_decompose(self, ep):
+            return partitioner.ops_to_not_decompose(ep)
+
+        def partition(self, ep) -> PartitionResult:
+            groups = [
+                group
+                for group in partitioner.get_matched_nodes_from_configs(ep)
+                if not any(in_attention_core(node) for node in group)
+            ]
+            tags = {}
+            for found in generate_grouped_partitions_from_list_of_nodes(ep.graph_module, groups):
+                tag = f"tag{found.id}"
+                for node in found.nodes:
+                    node.meta["delegation_tag"] = tag
+                tags[tag] = partitioner.delegation_spec
+            return PartitionResult(tagged_exported_program=ep, partition_tags=tags)
+
+    return AttentionOnCpu()

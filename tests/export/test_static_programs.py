@@ -1,0 +1,146 @@
+"""The static contract (prefill + decode, caller-owned caches) against untouched transformers.
+
+Tiny llama, qwen3 and gemma3_text (a sliding layer with window 6 and a full layer): the exported static
+program, driven by `etblocks.Runner`, must generate HF `generate`'s greedy tokens for prompts whose length is a
+multiple of the chunk (16), is not (13: padded prefill tail), is shorter than one chunk (5), and leaves a
+one-token tail that goes through `decode` (17). All but the 5-token prompt are longer than the window.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_models import FAMILIES, hf_greedy, original_and_copy, prompt_ids
+
+import etblocks
+from etblocks.export.contract import StaticContract
+from etblocks.export.programs import static_program
+from etblocks.export.static_driver import StaticDriver, group_mask
+from etblocks.kv_cache import IOKVCache
+from etblocks.swap.hf.adapter import HFSingleHeadAttention
+
+CHUNK = 8
+CONTEXT = 64
+NEW_TOKENS = 32
+PROMPT_LENGTHS = (16, 13, 5, 17)
+STATIC_FAMILIES = ("llama", "qwen3", "gemma3_text")
+LOGIT_ATOL = 1e-4
+
+
+def swap_static(name: str, backend: str, **options):
+    model_type, overrides = FAMILIES[name]
+    original, swapped = original_and_copy(model_type, **overrides)
+    if backend in ("xnnpack", "portable"):
+        options = {"shapes": "static", **options}
+    etblocks.swap(swapped, backend=backend, max_seq_len=CONTEXT, chunk=CHUNK, **options)
+    return original, swapped
+
+
+def eager_driver(swapped) -> StaticDriver:
+    """The static program run eagerly: the graph export would capture, driven like the Runner drives it."""
+    program = static_program(swapped)
+    return StaticDriver(program.contract, lambda method, inputs: program.module(*inputs))
+
+
+def greedy(forward, prompt: list[int], new_tokens: int) -> list[int]:
+    logits, tokens = forward(prompt), []
+    while len(tokens) < new_tokens:
+        tokens.append(int(torch.argmax(logits)))
+        logits = forward(tokens[-1:])
+    return tokens
+
+
+@pytest.mark.parametrize("backend", ["openvino", "qnn"])
+@pytest.mark.parametrize("name", STATIC_FAMILIES)
+def test_static_eager_matches_hf(name, backend):
+    """MHA (openvino recipe) and SHA with 1x1-conv projections (qnn recipe), unquantized, against HF."""
+    original, swapped = swap_static(name, backend)
+    if backend == "qnn":
+        assert all(isinstance(m, HFSingleHeadAttention) for n, m in swapped.named_modules() if n.endswith("self_attn"))
+    driver = eager_driver(swapped)
+    for length in PROMPT_LENGTHS:
+        prompt = prompt_ids(length)
+        with torch.no_grad():
+            expected = original(prompt).logits[0, -1]
+            driver.reset()
+            actual = driver.forward(prompt[0].tolist())
+        assert (actual - expected).abs().max().item() <= LOGIT_ATOL, f"{name} {backend} prompt {length}"
+    prompt = prompt_ids(13)
+    with torch.no_grad():
+        driver.reset()
+        assert greedy(driver.forward, prompt[0].tolist(), NEW_TOKENS) == hf_greedy(original, prompt, NEW_TOKENS)
+
+
+@pytest.fixture(scope="module", params=[(n, b) for n in STATIC_FAMILIES for b in ("portable", "xnnpack", "openvino")], ids=str)
+def exported(request, tmp_path_factory):
+    name, backend = request.param
+    original, swapped = swap_static(name, backend)
+    result = etblocks.export(swapped, backend=backend, out=tmp_path_factory.mktemp("static") / f"{name}_{backend}.pte")
+    return name, backend, original, result
+
+
+@pytest.mark.slow
+def test_runner_greedy_matches_hf_generate(exported):
+    name, backend, original, result = exported
+    assert result.methods[:2] == ["prefill", "decode"]
+    if backend != "portable":
+        assert result.delegation.n_cpu_ops < 0.2 * sum(result.delegation.ops_per_delegate.values())
+    runner = etblocks.Runner(result.path)
+    assert runner.contract.chunk == CHUNK and runner.max_context_len == CONTEXT
+    for length in PROMPT_LENGTHS:
+        prompt = prompt_ids(length)
+        expected = hf_greedy(original, prompt, NEW_TOKENS)
+        assert len(set(expected)) > 4, "degenerate reference: the test would not tell models apart"
+        runner.reset()
+        assert runner.generate(prompt[0].tolist(), max_new_tokens=NEW_TOKENS) == expected, f"{name} {backend} prompt {length}"
+
+
+@pytest.mark.slow
+def test_runner_continues_a_conversation(exported):
+    """Two generate calls without reset equal one HF generate over the concatenation."""
+    _, _, original, result = exported
+    runner = etblocks.Runner(result.path)
+    first = prompt_ids(11)[0].tolist()
+    reply = runner.generate(first, max_new_tokens=4)
+    second = prompt_ids(6, seed=2)[0].tolist()
+    continued = runner.generate(second, max_new_tokens=8)
+    assert continued == hf_greedy(original, torch.tensor([first + reply + second]), 8)
+
+
+def test_contract_describes_layers_and_windows():
+    _, swapped = swap_static("gemma3_text", "openvino")
+    contract = static_program(swapped).contract
+    assert StaticContract.from_json(contract.to_json()) == contract
+    assert [g.name for g in contract.groups] == ["window6", "full"]
+    assert [layer.group for layer in contract.layers] == ["window6", "full"]
+    assert contract.cache_shape(0) == (1, 6, 2, 16) and contract.cache_shape(1) == (1, CONTEXT, 2, 16)
+    assert contract.inputs() == ["tokens", "positions", "mask.window6", "mask.full", "k_cache.0", "v_cache.0", "k_cache.1", "v_cache.1"]
+    assert contract.outputs() == ["logits", "k_new.0", "v_new.0", "k_new.1", "v_new.1"]
+    assert all(isinstance(m, IOKVCache) for m in (layer.self_attn.kv_cache for layer in swapped.model.layers))
+
+
+def test_window_mask_reads_only_the_last_positions():
+    """Independent of the driver's ring arithmetic: after 9 positions a window-6 cache row r holds the latest
+    position p < 9 with p % 4 == r, and a query at 9 may read positions 6, 7, 8 and itself."""
+    contract = static_program(swap_static("gemma3_text", "openvino")[1]).contract
+    window = contract.group("window6")
+    mask = group_mask(window, pos=9, n_tokens=2, dtype=torch.float32, mask_value=float("-inf"))
+    held = {r: max(p for p in range(9) if p % 6 == r) for r in range(6)}  # rows hold positions 6, 7, 8, 3, 4, 5
+    for q in (0, 1):
+        readable = {held[r] for r in range(6) if mask[q, r] == 0} | {9 + t for t in (0, 1) if mask[q, 6 + t] == 0}
+        assert readable == {p for p in range(0, 9 + q + 1) if 9 + q - p < 6}
+
+
+@pytest.mark.slow
+def test_two_methods_share_one_copy_of_the_weights(tmp_path):
+    """The static program (prefill + decode) is at most 1.05x the size of the one-method dynamic program."""
+    wide = dict(hidden_size=256, intermediate_size=512, head_dim=32, vocab_size=512)
+    _, dynamic = original_and_copy("llama", **wide)
+    _, static = original_and_copy("llama", **wide)
+    etblocks.swap(dynamic, backend="xnnpack", max_seq_len=CONTEXT)
+    etblocks.swap(static, backend="xnnpack", max_seq_len=CONTEXT, shapes="static", chunk=CHUNK)
+    one = etblocks.export(dynamic, backend="xnnpack", out=tmp_path / "one.pte")
+    two = etblocks.export(static, backend="xnnpack", out=tmp_path / "two.pte")
+    weights_mb = sum(p.numel() * p.element_size() for p in static.parameters()) / 1e6
+    assert two.size_mb <= 1.05 * one.size_mb, f"two methods {two.size_mb:.2f} MB vs one {one.size_mb:.2f} MB"
+    assert two.size_mb <= 1.1 * weights_mb
