@@ -158,11 +158,15 @@ def argmax_last(logits: torch.Tensor) -> int:
 
 
 def load_method(path: Path, name: str = "forward") -> Any:
-    """Load one method of a .pte with the Python ExecuTorch runtime (llama custom ops registered)."""
+    """Load one method of a .pte with the Python ExecuTorch runtime (llama custom ops registered). The method
+    keeps a reference to its program: a method whose program was freed fails intermittently at run time."""
     import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (llama::custom_sdpa, update_cache)
     from executorch.runtime import Runtime
 
-    return Runtime.get().load_program(Path(path)).load_method(name)
+    program = Runtime.get().load_program(Path(path))
+    method = program.load_method(name)
+    method.etblocks_program = program
+    return method
 
 
 def lower_to_xnnpack(exported: Any, path: Path, **to_executorch_kwargs: Any) -> None:

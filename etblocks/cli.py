@@ -1,7 +1,8 @@
 """The `etblocks` command: `export`, `run` and `backends`.
 
     etblocks export --model demo|PATH --backend xnnpack --out model.pte --max-seq-len 256 [--no-verify]
-                    [--sdpa custom|dynamic] [--config file.yaml]
+                    [--sdpa custom|dynamic|static] [--shapes static --chunk 32] [--quantize 16a8w|16a4w|8a8w|none]
+                    [--check] [--config file.yaml]
     etblocks run --pte model.pte (--prompt-ids 1,2,3 | --prompt TEXT --tokenizer tokenizer.json)
                  --max-new-tokens 32 [--temperature T --top-p P --seed S] [--config file.yaml]
     etblocks backends [NAME ...]
@@ -54,7 +55,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="compare each swapped layer with the original before changing the model (default: on)",
     )
-    export.add_argument("--sdpa", help="attention kernel: custom (llama::custom_sdpa) or dynamic (plain torch); default: the recipe's")
+    export.add_argument("--sdpa", help="attention kernel: custom (llama::custom_sdpa), dynamic or static (plain torch); default: the recipe's")
+    export.add_argument("--shapes", help="dynamic (one forward, T dynamic) or static (prefill + decode, fixed shapes); default: the recipe's")
+    export.add_argument("--chunk", type=int, metavar="N", help="tokens per prefill call of a static program (default: 32)")
+    export.add_argument("--quantize", help="QnnQuantizer precision of a static program: 16a8w, 16a4w, 8a8w or none (default: the recipe's)")
+    export.add_argument(
+        "--check",
+        action="store_true",
+        default=None,
+        help="qnn: check every op of the program against ExecuTorch's QNN op builders and print the report "
+        "instead of lowering (needs no Qualcomm SDK); exit code 1 if an op is not covered",
+    )
     _common(export)
     export.set_defaults(handler=cmd_export)
 
@@ -102,12 +113,17 @@ def _options(command: str, args: argparse.Namespace, names: list[str]) -> Resolv
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    options = _options("export", args, ["model", "backend", "out", "max_seq_len", "verify", "sdpa"])
+    names = ["model", "backend", "out", "max_seq_len", "verify", "sdpa", "shapes", "chunk", "quantize", "check"]
+    options = _options("export", args, names)
     say = _progress()
     model_name = options["model"]
     if model_name is None:
         raise ConfigError(f"model is not set; give --model {DEMO} or --model PATH (a local HF checkpoint directory), or `model:` in a config file")
-    backend, overrides, dtype = _check_backend(options)
+    check = bool(options["check"])
+    if check and options["backend"] != "qnn":
+        raise ConfigError(f"{options.where('check')}: check is the QNN readiness report; it needs backend qnn, not {options['backend']!r}")
+    backend, overrides, dtype = _check_backend(options, lower=not check)
+    quantize = {None: "auto", "none": None}.get(options["quantize"], options["quantize"])
     out = Path(options["out"])
 
     import etblocks
@@ -131,27 +147,36 @@ def cmd_export(args: argparse.Namespace) -> int:
     info = model.etblocks_swap
     say(f"swapped {len(info.converted)} attention modules (sdpa={info.recipe.sdpa}, max_seq_len={info.max_seq_len})")
 
-    result = etblocks.export(model, backend=backend, out=out, max_seq_len=info.max_seq_len, progress=say)
+    if check:
+        from etblocks.export.driver import check_qnn
+        from etblocks.export.qnn import format_readiness
+
+        report = check_qnn(model, quantize=quantize, progress=say)
+        print(format_readiness(report), flush=True)
+        return 0 if all(r.ready for r in report.values()) else 1
+    result = etblocks.export(model, backend=backend, out=out, max_seq_len=info.max_seq_len, quantize=quantize, progress=say)
     seconds = {"swap": swap_seconds, **result.seconds}
     print(_export_summary(result, model_name, seconds), flush=True)
     return 0
 
 
-def _check_backend(options: Resolved) -> tuple[str, dict, Any]:
-    """Backend, recipe overrides and the recipe's dtype, checked before any model is loaded."""
+def _check_backend(options: Resolved, lower: bool = True) -> tuple[str, dict, Any]:
+    """Backend, recipe overrides and the recipe's dtype, checked before any model is loaded (`lower=False`: the
+    backend need not be usable here, e.g. a QNN readiness check without the SDK)."""
     from etblocks.export.driver import check_exportable
     from etblocks.swap.recipes import resolve_recipe
 
     backend = options["backend"]
     try:
-        check_exportable(backend)  # typed errors now rather than after minutes of work
+        if lower:
+            check_exportable(backend)  # typed errors now rather than after minutes of work
     except ConfigError as exc:
         raise ConfigError(f"{options.where('backend')}: {exc}") from None
-    overrides = {} if options["sdpa"] is None else {"sdpa": options["sdpa"]}
+    overrides = {key: options[key] for key in ("sdpa", "shapes", "chunk") if options[key] is not None}
     try:
         recipe = resolve_recipe(backend, **overrides)
     except ConfigError as exc:
-        raise ConfigError(f"{options.where('sdpa')}: {exc}") from None
+        raise ConfigError(f"{', '.join(options.where(key) for key in overrides) or options.where('backend')}: {exc}") from None
     return backend, overrides, recipe.dtype
 
 

@@ -7,7 +7,11 @@ backend: xnnpack
 out: model.pte
 max_seq_len: 256
 verify: true
-sdpa: custom           # or dynamic; omit for the backend recipe's choice
+sdpa: custom           # or dynamic / static; omit for the backend recipe's choice
+shapes: static         # static prefill + decode program (NPU backends have it by default)
+chunk: 32              # the prefill method's fixed token count (static programs)
+quantize: 16a8w        # QnnQuantizer precision for static programs, or none; default: the recipe's
+check: false           # qnn: print the readiness report instead of lowering (no Qualcomm SDK needed)
 # run
 pte: model.pte         # defaults to `out` when only `out` is given
 prompt_ids: [1, 2, 3]  # or "1,2,3"; or `prompt: text` with `tokenizer: tokenizer.json`
@@ -123,7 +127,11 @@ OPTIONS: dict[str, Option] = {
         Option("out", "--out", ("export",), _path),
         Option("max_seq_len", "--max-seq-len", ("export",), _int_at_least(2)),
         Option("verify", "--verify/--no-verify", ("export",), _bool),
-        Option("sdpa", "--sdpa", ("export",), _choice("custom", "dynamic")),
+        Option("sdpa", "--sdpa", ("export",), _choice("custom", "dynamic", "static")),
+        Option("shapes", "--shapes", ("export",), _choice("dynamic", "static")),
+        Option("chunk", "--chunk", ("export",), _int_at_least(2)),
+        Option("quantize", "--quantize", ("export",), _choice("none", "16a8w", "16a4w", "8a8w")),
+        Option("check", "--check", ("export",), _bool),
         Option("pte", "--pte", ("run",), _path),
         Option("prompt_ids", "--prompt-ids", ("run",), parse_prompt_ids),
         Option("prompt", "--prompt", ("run",), _text),

@@ -1,0 +1,93 @@
+"""The qnn recipe without the Qualcomm SDK: SHA + 1x1-conv projections + IO caches, quantized with QnnQuantizer
+(annotate, calibrate through prefill and decode, convert), checked op by op against ExecuTorch's QNN builders,
+and run on the host as a quantized portable program against untouched transformers.
+
+SHA's fp32 parity with HF is in test_static_programs.py (`test_static_eager_matches_hf[qnn-*]`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_models import FAMILIES, hf_greedy, original_and_copy, prompt_ids
+
+import etblocks
+from etblocks.cli import main
+from etblocks.errors import BackendUnavailableError
+from etblocks.export.driver import check_qnn
+from etblocks.export.qnn import format_readiness
+
+# Measured with default (random-id) calibration: 16a8w teacher-forced top-1 agreement 0.875 (llama).
+MIN_TOP1_16A8W = 0.7
+
+
+def swap_qnn(name: str):
+    model_type, overrides = FAMILIES[name]
+    original, swapped = original_and_copy(model_type, **overrides)
+    etblocks.swap(swapped, backend="qnn", max_seq_len=64, chunk=8)
+    return original, swapped
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "gemma3_text"])
+def test_quantized_qnn_program_is_fully_covered(name):
+    _, swapped = swap_qnn(name)
+    report = check_qnn(swapped)  # 16a8w, the recipe's default
+    text = format_readiness(report)
+    print(text)
+    assert set(report) == {"prefill", "decode"}
+    for method, readiness in report.items():
+        assert readiness.ready, f"{name} {method}:\n{text}"
+        assert not readiness.uncovered and not readiness.dynamic and not readiness.bad_dtypes
+        assert readiness.ops["aten.convolution.default"] > 0  # the per-head 1x1-conv projections reached QNN
+        assert any("dequantize" in op for op in readiness.ops)
+
+
+def test_lowering_needs_the_sdk(monkeypatch):
+    monkeypatch.delenv("QNN_SDK_ROOT", raising=False)
+    _, swapped = swap_qnn("llama")
+    with pytest.raises(BackendUnavailableError, match="QNN_SDK_ROOT"):
+        etblocks.export(swapped, backend="qnn", out="unused.pte")
+
+
+def teacher_forced_top1(runner: etblocks.Runner, original, prompts, new_tokens: int) -> float:
+    """Fraction of steps where the program's argmax is HF's greedy token, feeding HF's tokens throughout."""
+    agree = total = 0
+    for prompt in prompts:
+        expected = hf_greedy(original, prompt, new_tokens)
+        runner.reset()
+        logits = runner.forward(prompt[0].tolist())
+        for token in expected:
+            agree += int(torch.argmax(logits)) == token
+            total += 1
+            logits = runner.forward([token])
+    return agree / total
+
+
+@pytest.mark.slow
+def test_quantized_program_runs_on_the_host(tmp_path):
+    """`export(..., backend="portable", quantize="16a8w")` runs the NPU's quantized graph here."""
+    original, swapped = swap_qnn("llama")
+    result = etblocks.export(swapped, backend="portable", quantize="16a8w", out=tmp_path / "q.pte")
+    assert result.quantize == "16a8w"
+    assert result.delegation.cpu_ops["quantized_decomposed.quantize_per_tensor"] > 0
+    runner = etblocks.Runner(result.path)
+    assert runner.contract.mask_value == -255.0  # -inf has no quantized form
+    prompts = [prompt_ids(13, seed=seed) for seed in range(4)]
+    agreement = teacher_forced_top1(runner, original, prompts, 16)
+    print(f"16a8w vs fp32 HF: teacher-forced top-1 agreement {agreement:.3f}")
+    assert agreement >= MIN_TOP1_16A8W
+
+
+@pytest.mark.slow
+def test_cli_check_prints_the_report(capsys):
+    code = main(["export", "--model", "demo", "--backend", "qnn", "--check", "--max-seq-len", "64", "--chunk", "8"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "QNN HTP readiness" in out
+    assert out.count("ready") >= 2
+
+
+def test_cli_check_needs_qnn(capsys):
+    assert main(["export", "--model", "demo", "--backend", "xnnpack", "--check"]) == 2
+    assert "check is the QNN readiness report; it needs backend qnn" in capsys.readouterr().err
