@@ -2,7 +2,7 @@
 
     etblocks export --model demo|PATH --backend xnnpack --out model.pte --max-seq-len 256 [--no-verify]
                     [--sdpa custom|dynamic|static] [--shapes static --chunk 32] [--quantize 16a8w|16a4w|8a8w|none]
-                    [--check] [--config file.yaml]
+                    [--check] [--calibration prompts.txt] [--config file.yaml]
     etblocks run --pte model.pte (--prompt-ids 1,2,3 | --prompt TEXT --tokenizer tokenizer.json)
                  --max-new-tokens 32 [--temperature T --top-p P --seed S] [--config file.yaml]
     etblocks backends [NAME ...]
@@ -22,7 +22,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-from etblocks.config import Resolved, load_config, resolve
+from etblocks.config import Resolved, load_config, read_calibration, resolve
 from etblocks.errors import ConfigError, EtblocksError
 
 EXIT_ERROR = 2
@@ -59,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--shapes", help="dynamic (one forward, T dynamic) or static (prefill + decode, fixed shapes); default: the recipe's")
     export.add_argument("--chunk", type=int, metavar="N", help="tokens per prefill call of a static program (default: 32)")
     export.add_argument("--quantize", help="QnnQuantizer precision of a static program: 16a8w, 16a4w, 8a8w or none (default: the recipe's)")
+    export.add_argument(
+        "--calibration",
+        metavar="TXT",
+        help="prompts to calibrate quantization with: one prompt of comma-separated token ids per line "
+        "(default: seeded random ids, a rough calibration)",
+    )
     export.add_argument(
         "--check",
         action="store_true",
@@ -113,7 +119,7 @@ def _options(command: str, args: argparse.Namespace, names: list[str]) -> Resolv
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    names = ["model", "backend", "out", "max_seq_len", "verify", "sdpa", "shapes", "chunk", "quantize", "check"]
+    names = ["model", "backend", "out", "max_seq_len", "verify", "sdpa", "shapes", "chunk", "quantize", "check", "calibration"]
     options = _options("export", args, names)
     say = _progress()
     model_name = options["model"]
@@ -124,6 +130,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise ConfigError(f"{options.where('check')}: check is the QNN readiness report; it needs backend qnn, not {options['backend']!r}")
     backend, overrides, dtype = _check_backend(options, lower=not check)
     quantize = {None: "auto", "none": None}.get(options["quantize"], options["quantize"])
+    calibration = read_calibration(options["calibration"]) if options["calibration"] else None
     out = Path(options["out"])
 
     import etblocks
@@ -151,10 +158,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         from etblocks.export.driver import check_qnn
         from etblocks.export.qnn import format_readiness
 
-        report = check_qnn(model, quantize=quantize, progress=say)
+        report = check_qnn(model, quantize=quantize, calibration=calibration, progress=say)
         print(format_readiness(report), flush=True)
         return 0 if all(r.ready for r in report.values()) else 1
-    result = etblocks.export(model, backend=backend, out=out, max_seq_len=info.max_seq_len, quantize=quantize, progress=say)
+    result = etblocks.export(
+        model, backend=backend, out=out, max_seq_len=info.max_seq_len, quantize=quantize, calibration=calibration, progress=say
+    )
     seconds = {"swap": swap_seconds, **result.seconds}
     print(_export_summary(result, model_name, seconds), flush=True)
     return 0
@@ -214,7 +223,9 @@ def load_checkpoint(path: str | Path, dtype=None):
 
 
 def _export_summary(result, model_name: str, seconds: dict[str, float]) -> str:
-    metadata = ", ".join(f"{k}={v}" for k, v in result.metadata.items())
+    from etblocks.export.contract import CONTRACT_METHOD, StaticContract
+
+    metadata = ", ".join(f"{k}={v}" for k, v in result.metadata.items() if k != CONTRACT_METHOD)
     timings = ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items())
     weights = "RANDOM weights (demo model, for demonstration only)" if model_name == DEMO else f"from {model_name}"
     lines = [
@@ -228,6 +239,8 @@ def _export_summary(result, model_name: str, seconds: dict[str, float]) -> str:
         f"  time        {timings}",
         f"next: etblocks run --pte {result.path} --prompt-ids 1,2,3 --max-new-tokens 16",
     ]
+    if CONTRACT_METHOD in result.metadata:
+        lines.insert(-2, f"  contract    {StaticContract.from_constant(result.metadata[CONTRACT_METHOD])}")
     return "\n".join(lines)
 
 

@@ -12,6 +12,7 @@ shapes: static         # static prefill + decode program (NPU backends have it b
 chunk: 32              # the prefill method's fixed token count (static programs)
 quantize: 16a8w        # QnnQuantizer precision for static programs, or none; default: the recipe's
 check: false           # qnn: print the readiness report instead of lowering (no Qualcomm SDK needed)
+calibration: prompts.txt  # quantization calibration: one prompt of comma-separated token ids per line
 # run
 pte: model.pte         # defaults to `out` when only `out` is given
 prompt_ids: [1, 2, 3]  # or "1,2,3"; or `prompt: text` with `tokenizer: tokenizer.json`
@@ -96,6 +97,23 @@ def _top_p(value: Any) -> float:
     return float(value)
 
 
+def read_calibration(path: str | Path) -> list[list[int]]:
+    """Calibration prompts from a text file: one prompt of comma-separated token ids per non-empty line."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"calibration={str(path)!r} is not a file; give a text file with one prompt of comma-separated token ids per line")
+    prompts = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if line.strip():
+            try:
+                prompts.append(parse_prompt_ids(line.strip()))
+            except _Rejected as exc:
+                raise ConfigError(f"calibration file {str(path)!r}, line {number}: {line.strip()!r} is not accepted; {exc}") from None
+    if not prompts:
+        raise ConfigError(f"calibration file {str(path)!r} holds no prompts; give one prompt of comma-separated token ids per line")
+    return prompts
+
+
 def parse_prompt_ids(value: Any) -> list[int]:
     """Token ids from a list of integers or a comma-separated string such as "1,2,3"."""
     accepted = 'give a non-empty list of token ids >= 0, such as [1, 2, 3] or "1,2,3"'
@@ -132,6 +150,7 @@ OPTIONS: dict[str, Option] = {
         Option("chunk", "--chunk", ("export",), _int_at_least(2)),
         Option("quantize", "--quantize", ("export",), _choice("none", "16a8w", "16a4w", "8a8w")),
         Option("check", "--check", ("export",), _bool),
+        Option("calibration", "--calibration", ("export",), _path),
         Option("pte", "--pte", ("run",), _path),
         Option("prompt_ids", "--prompt-ids", ("run",), parse_prompt_ids),
         Option("prompt", "--prompt", ("run",), _text),

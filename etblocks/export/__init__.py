@@ -2,7 +2,19 @@
 
 from etblocks.export.backends import BACKENDS, get_backend, partitioners_for
 from etblocks.export.delegation import DelegationSummary
-from etblocks.export.driver import ExportResult, export
+from etblocks.export.contract import StaticContract
+from etblocks.export.driver import ExportResult, check_qnn, export
 from etblocks.export.runner import Runner, sample
 
-__all__ = ["export", "ExportResult", "Runner", "sample", "BACKENDS", "get_backend", "partitioners_for", "DelegationSummary"]
+__all__ = [
+    "export",
+    "check_qnn",
+    "ExportResult",
+    "Runner",
+    "sample",
+    "StaticContract",
+    "BACKENDS",
+    "get_backend",
+    "partitioners_for",
+    "DelegationSummary",
+]

@@ -31,9 +31,14 @@ def _openvino() -> list:
 
 
 def _coreml() -> list:
+    """iOS 18 / macOS 15 programs (fp16 inputs and caches need iOS 16+); Core ML computes in fp16 by default,
+    as the Neural Engine does."""
+    import coremltools as ct
+    from executorch.backends.apple.coreml.compiler import CoreMLBackend
     from executorch.backends.apple.coreml.partition import CoreMLPartitioner
 
-    return [CoreMLPartitioner()]
+    specs = CoreMLBackend.generate_compile_specs(minimum_deployment_target=ct.target.iOS18)
+    return [CoreMLPartitioner(compile_specs=specs)]
 
 
 def _vulkan() -> list:

@@ -76,6 +76,13 @@ class StaticContract:
             return ["logits_last"]
         return ["logits", *(f"{kv}_new.{i}" for i in range(len(self.layers)) for kv in ("k", "v"))]
 
+    def __str__(self) -> str:
+        groups = ", ".join(
+            f"{g.name} ({g.length} rows) x{sum(layer.group == g.name for layer in self.layers)} layers" for g in self.groups
+        )
+        caches = f"{self.cache} caches ({self.dtype})" + (f": {groups}" if groups else "")
+        return f"prefill T={self.chunk}, decode T=1, context {self.max_context_len}, {caches}"
+
     def to_json(self) -> str:
         body = asdict(self)
         body.update(contract=CONTRACT_VERSION, methods=self.methods, inputs=self.inputs(), outputs=self.outputs())

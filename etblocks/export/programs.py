@@ -63,10 +63,7 @@ def dynamic_program(
         max_seq_len = max_seq_len or max(cache.max_seq_len for cache in caches)
         tokens = {"vocab_size": vocab_size, "bos_id": None, "eos_ids": [], "n_layers": len(caches)}
         module = model
-    if bos_id is not None:
-        tokens["bos_id"] = bos_id
-    if eos_ids is not None:
-        tokens["eos_ids"] = list(eos_ids)
+    _override_tokens(tokens, bos_id, eos_ids)
     if tokens["vocab_size"] is None:
         raise ConfigError("vocab_size=None: give vocab_size= for a model that is not a transformers model")
     return DynamicProgram(module, max_seq_len, _llm_runner_metadata(max_seq_len, tokens))
@@ -135,12 +132,17 @@ def static_program(
             cache="io", mask_value=mask_value, groups=tuple(groups.values()), layers=tuple(layers), **common
         )
         module = HFStaticProgram(model, blocks, [order.index(block.sdpa.sliding_window) for block in blocks])
-    for key, value in (("bos_id", bos_id), ("eos_ids", eos_ids)):
-        if value is not None:
-            tokens[key] = value if key == "bos_id" else list(value)
+    _override_tokens(tokens, bos_id, eos_ids)
     metadata = _llm_runner_metadata(max_seq_len, tokens, dynamic=False)
     metadata[CONTRACT_METHOD] = contract.as_constant()
     return StaticProgram(module, contract, metadata)
+
+
+def _override_tokens(tokens: dict, bos_id: int | None, eos_ids: list[int] | None) -> None:
+    if bos_id is not None:
+        tokens["bos_id"] = bos_id
+    if eos_ids is not None:
+        tokens["eos_ids"] = list(eos_ids)
 
 
 def _swap_info(model: nn.Module):

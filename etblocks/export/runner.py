@@ -9,7 +9,7 @@ import torch
 
 from etblocks.errors import ConfigError, ContextOverflowError
 from etblocks.export.contract import CONTRACT_METHOD, StaticContract
-from etblocks.export.static_driver import StaticDriver
+from etblocks.export.static_driver import StaticDriver, check_room
 
 
 class DynamicDriver:
@@ -26,10 +26,7 @@ class DynamicDriver:
         self.pos = 0
 
     def forward(self, tokens: Sequence[int]) -> torch.Tensor:
-        if self.pos + len(tokens) > self.max_context_len:
-            raise ContextOverflowError(
-                f"{len(tokens)} tokens at position {self.pos} exceed the context of {self.max_context_len} tokens"
-            )
+        check_room(self.pos, len(tokens), self.max_context_len)
         logits = None
         for start in range(0, len(tokens), self.max_seq_len):
             chunk = torch.tensor([list(tokens[start : start + self.max_seq_len])], dtype=torch.long)
@@ -115,13 +112,9 @@ class Runner:
 
     def forward(self, tokens: Sequence[int]) -> torch.Tensor:
         """Feed tokens at the current position; return the logits `[V]` after the last one."""
-        tokens = self._unfed + list(tokens)
-        if self._driver.pos + len(tokens) > self.max_context_len:
-            raise ContextOverflowError(
-                f"{len(tokens)} tokens at position {self._driver.pos} exceed the context of {self.max_context_len} tokens"
-            )
+        logits = self._driver.forward(self._unfed + list(tokens))
         self._unfed = []
-        return self._driver.forward(tokens)
+        return logits
 
     def generate(
         self,

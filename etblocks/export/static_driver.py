@@ -17,6 +17,11 @@ from etblocks.export.contract import CacheGroup, StaticContract
 Execute = Callable[[str, list[torch.Tensor]], Sequence[torch.Tensor]]
 
 
+def check_room(pos: int, n_tokens: int, max_context_len: int) -> None:
+    if pos + n_tokens > max_context_len:
+        raise ContextOverflowError(f"{n_tokens} tokens at position {pos} exceed the context of {max_context_len} tokens")
+
+
 def slot_positions(group: CacheGroup, pos: int) -> torch.Tensor:
     """`[L]`: the absolute position each cache row of `group` holds once positions `[0, pos)` are written
     (-1: empty). Full caches hold position p in row p; windows hold it in row p % L, the latest one winning."""
@@ -82,10 +87,7 @@ class StaticDriver:
 
     def forward(self, tokens: Sequence[int]) -> torch.Tensor:
         """Feed `tokens` at the current position; return the logits `[V]` after the last one."""
-        if self.pos + len(tokens) > self.max_context_len:
-            raise ContextOverflowError(
-                f"{len(tokens)} tokens at position {self.pos} exceed the context of {self.max_context_len} tokens"
-            )
+        check_room(self.pos, len(tokens), self.max_context_len)
         chunk, logits, start = self.contract.chunk, None, 0
         while start < len(tokens):
             remaining = len(tokens) - start

@@ -44,10 +44,11 @@ def swap(
     """Replace every attention module of a transformers causal LM with an etblocks block, in place.
 
     The backend's recipe (see `etblocks.swap.recipes`) picks attention, SDPA, cache and shapes; keyword
-    arguments override single choices (`sdpa="dynamic"`, `shapes="static", chunk=32`). NPU backends (qnn, coreml,
-    openvino, vulkan) get the static contract: fixed-shape `prefill` and `decode` with caller-owned caches. Every module is converted and, unless `verify=False`, compared with its
-    original on a probe input before anything is changed: on any failure the model is left untouched and
-    `UnsupportedModelError` (or `ConfigError` for options) says which module and why.
+    arguments override single choices (`sdpa="dynamic"`, `shapes="static", chunk=32`). NPU backends (qnn,
+    coreml, openvino, vulkan) get the static contract: fixed-shape `prefill` and `decode` with caller-owned
+    caches. Every module is converted and, unless `verify=False`, compared with its original on a probe input
+    before anything is changed: on any failure the model is left untouched and `UnsupportedModelError` (or
+    `ConfigError` for options) says which module and why.
     """
     recipe = resolve_recipe(backend, **recipe_overrides)
     if getattr(model, "etblocks_swap", None) is not None:

@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from hf_models import FAMILIES, original_and_copy
 
 import etblocks
@@ -87,3 +88,14 @@ def test_hybrid_keeps_attention_core_on_cpu_and_projections_delegated(golden):
         assert cpu.get("aten._softmax", 0) == 2
         assert not any(op in cpu for op in ("aten.mm", "aten.addmm", "aten.linear"))
         assert sum(n for _, n in summary[method]["partitions"]) > 100
+
+
+@pytest.mark.slow
+def test_coreml_fp16_program_is_fully_delegated(tmp_path):
+    """dtype=torch.float16: fp16 weights, masks and caches (the Neural Engine's precision), all in Core ML."""
+    _, model = original_and_copy("llama")
+    etblocks.swap(model, backend="coreml", max_seq_len=64, chunk=8, dtype=torch.float16)
+    result = etblocks.export(model, backend="coreml", out=tmp_path / "fp16.pte")
+    assert json.loads(bytes(result.metadata["etblocks_contract"]).decode())["dtype"] == "float16"
+    for summary in result.delegations.values():
+        assert len(summary.partitions) == 1 and summary.n_cpu_ops == 0, summary

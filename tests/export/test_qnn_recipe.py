@@ -80,14 +80,25 @@ def test_quantized_program_runs_on_the_host(tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_check_prints_the_report(capsys):
-    code = main(["export", "--model", "demo", "--backend", "qnn", "--check", "--max-seq-len", "64", "--chunk", "8"])
+def test_cli_check_prints_the_report(capsys, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("1,5,9,30,41,2,7\n\n3,4,5,6,7,8,9,10,11,12,13\n")
+    args = ["--backend", "qnn", "--check", "--max-seq-len", "64", "--chunk", "8", "--calibration", str(prompts)]
+    code = main(["export", "--model", "demo", *args])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "QNN HTP readiness" in out
+    assert "calibration prompts" in out and "on 2 calibration prompts" in out
     assert out.count("ready") >= 2
 
 
 def test_cli_check_needs_qnn(capsys):
     assert main(["export", "--model", "demo", "--backend", "xnnpack", "--check"]) == 2
     assert "check is the QNN readiness report; it needs backend qnn" in capsys.readouterr().err
+
+
+def test_cli_bad_calibration_file_names_the_line(capsys, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("1,2,3\n4,x,6\n")
+    assert main(["export", "--model", "demo", "--backend", "qnn", "--check", "--calibration", str(prompts)]) == 2
+    assert "line 2: '4,x,6' is not accepted" in capsys.readouterr().err

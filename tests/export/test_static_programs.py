@@ -144,3 +144,24 @@ def test_two_methods_share_one_copy_of_the_weights(tmp_path):
     weights_mb = sum(p.numel() * p.element_size() for p in static.parameters()) / 1e6
     assert two.size_mb <= 1.05 * one.size_mb, f"two methods {two.size_mb:.2f} MB vs one {one.size_mb:.2f} MB"
     assert two.size_mb <= 1.1 * weights_mb
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "options",
+    [dict(sdpa="dynamic", cache_update="index_copy"), dict()],
+    ids=["portable-kernel-attention", "custom-op-attention"],
+)
+def test_hybrid_partition_matches_hf_generate(options, tmp_path):
+    """Static methods with the projections and MLP in XNNPACK and the in-place cache + attention on CPU."""
+    original, swapped = swap_static("llama", "xnnpack", partition="hybrid", **options)
+    result = etblocks.export(swapped, backend="xnnpack", out=tmp_path / "hybrid.pte")
+    runner = etblocks.Runner(result.path)
+    assert runner.contract.cache == "inplace"
+    for summary in result.delegations.values():
+        assert summary.ops_per_delegate["XnnpackBackend"] > 100
+        assert not any(op in summary.cpu_ops for op in ("aten.mm", "aten.addmm", "aten.linear"))
+    for length in PROMPT_LENGTHS:
+        prompt = prompt_ids(length)
+        runner.reset()
+        assert runner.generate(prompt[0].tolist(), max_new_tokens=NEW_TOKENS) == hf_greedy(original, prompt, NEW_TOKENS)
