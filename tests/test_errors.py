@@ -225,3 +225,11 @@ def test_static_prompt_over_context(small_static_program):
     with pytest.raises(ContextOverflowError, match=r"prompt of 17 tokens at position 0 .* context is 16"):
         runner.generate(list(range(3, 20)), max_new_tokens=1)
     assert runner.pos == 0
+
+
+def test_export_context_shorter_than_the_chunk_changes_nothing():
+    _, model = original_and_copy("llama")
+    etblocks.swap(model, backend="openvino", max_seq_len=32, chunk=16)
+    with pytest.raises(ConfigError, match=r"max_seq_len=8 is shorter than this static swap's chunk=16; accepted: 16\.\.32"):
+        etblocks.export(model, backend="portable", out="unused.pte", max_seq_len=8)
+    assert model.etblocks_swap.max_seq_len == 32

@@ -12,10 +12,10 @@ def _set_val(node: torch.fx.Node, fn, *args) -> None:
 
 
 def mean_over_last_dim_as_pooling(exported: torch.export.ExportedProgram) -> int:
-    """Rewrite `mean(x [B, T, D], dim=-1, keepdim=True)` (every RMSNorm) as a mean over the last two dims of
-    `x [B, T, D, 1]`.
+    """Rewrite `mean(x [B, ..., D], dim=-1, keepdim=True)` (every RMSNorm, and per-head q/k norms on
+    `[B, T, H, D]`) as a mean over the last two dims of `x` viewed as `[B, N, D, 1]`.
 
-    XNNPACK delegates mean.dim only as 4-D global average pooling; the 3-D form stays on CPU and splits the
+    XNNPACK delegates mean.dim only as 4-D global average pooling; the other forms stay on CPU and split the
     graph into a partition per norm, each a separate delegate call per token. Returns the number rewritten.
     """
     graph = exported.graph_module.graph
@@ -25,22 +25,23 @@ def mean_over_last_dim_as_pooling(exported: torch.export.ExportedProgram) -> int
             continue
         x, dims = node.args[0], node.args[1]
         keepdim = len(node.args) > 2 and node.args[2]
-        rank = x.meta["val"].dim()
-        if rank != 3 or not keepdim or [d % rank for d in dims] != [2]:
+        shape = x.meta["val"].shape
+        if len(shape) not in (3, 4) or not keepdim or [d % len(shape) for d in dims] != [len(shape) - 1]:
             continue
-        if sum(not isinstance(size, int) for size in x.meta["val"].shape) > 1:
+        if sum(not isinstance(size, int) for size in shape) > 1 or not isinstance(shape[0], int):
             continue  # a view may infer one size only
+        # Views with -1 for the one dynamic size, not (un)squeeze: XNNPACK delegates exactly that form.
+        rows = [shape[0], -1, shape[-1], 1]
+        out_sizes = [size if isinstance(size, int) else -1 for size in shape[:-1]] + [1]
         with graph.inserting_before(node):
-            expanded = graph.call_function(torch.ops.aten.unsqueeze.default, (x, 3))
-            _set_val(expanded, torch.ops.aten.unsqueeze.default, x, 3)
-            pooled = graph.call_function(torch.ops.aten.mean.dim, (expanded, [2, 3], True))
-            _set_val(pooled, torch.ops.aten.mean.dim, expanded, [2, 3], True)
-            # A view with -1 for the dynamic size, not squeeze: XNNPACK delegates exactly that form.
-            sizes = [size if isinstance(size, int) else -1 for size in x.meta["val"].shape[:2]]
-            squeezed = graph.call_function(torch.ops.aten.view.default, (pooled, [*sizes, 1]))
-            _set_val(squeezed, lambda p: p.view(*p.shape[:2], 1), pooled)
-        squeezed.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-        node.replace_all_uses_with(squeezed)
+            as_image = graph.call_function(torch.ops.aten.view.default, (x, rows))
+            _set_val(as_image, torch.ops.aten.view.default, x, rows)
+            pooled = graph.call_function(torch.ops.aten.mean.dim, (as_image, [2, 3], True))
+            _set_val(pooled, torch.ops.aten.mean.dim, as_image, [2, 3], True)
+            restored = graph.call_function(torch.ops.aten.view.default, (pooled, out_sizes))
+            _set_val(restored, lambda p: p.view(*shape[:-1], 1), pooled)
+        restored.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        node.replace_all_uses_with(restored)
         graph.erase_node(node)
         rewritten += 1
     exported.graph_module.recompile()

@@ -107,10 +107,7 @@ def static_program(
         )
     if max_seq_len is not None:
         set_max_seq_len(model, max_seq_len)
-    max_seq_len = model.etblocks_swap.max_seq_len
-    chunk = info.recipe.chunk
-    if chunk > max_seq_len:
-        raise ConfigError(f"chunk={chunk} is larger than the context max_seq_len={max_seq_len}; give chunk <= {max_seq_len}")
+    max_seq_len, chunk = model.etblocks_swap.max_seq_len, info.recipe.chunk
     tokens = hf_token_metadata(model)
     dtype = str(info.recipe.dtype).removeprefix("torch.")
     common = dict(chunk=chunk, max_context_len=max_seq_len, vocab_size=tokens["vocab_size"], dtype=dtype)

@@ -89,6 +89,11 @@ def set_max_seq_len(model: nn.Module, max_seq_len: int) -> None:
                 f"max_seq_len={max_seq_len} is longer than the {info.max_seq_len} this model was swapped for; "
                 f"accepted: 2..{info.max_seq_len}, or swap a fresh copy with max_seq_len={max_seq_len}"
             )
+        if info.recipe.static and info.recipe.chunk > max_seq_len:
+            raise ConfigError(
+                f"max_seq_len={max_seq_len} is shorter than this static swap's chunk={info.recipe.chunk}; "
+                f"accepted: {info.recipe.chunk}..{info.max_seq_len}"
+            )
         model.etblocks_swap = SwapInfo(info.recipe, max_seq_len, info.converted)
     for cache in find_caches(model):
         cache.resize(max_seq_len)
