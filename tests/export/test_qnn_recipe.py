@@ -102,3 +102,18 @@ def test_cli_bad_calibration_file_names_the_line(capsys, tmp_path):
     prompts.write_text("1,2,3\n4,x,6\n")
     assert main(["export", "--model", "demo", "--backend", "qnn", "--check", "--calibration", str(prompts)]) == 2
     assert "line 2: '4,x,6' is not accepted" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["portable", "xnnpack"])
+def test_qnn_swap_exports_unquantized_to_host_backends(backend, tmp_path):
+    """The SHA + conv graph the NPU gets, fp32 (quantize defaults to None off the recipe's backend), generates
+    HF's greedy tokens on the host."""
+    original, swapped = swap_qnn("qwen3")
+    result = etblocks.export(swapped, backend=backend, out=tmp_path / "sha.pte")
+    assert result.quantize is None
+    runner = etblocks.Runner(result.path)
+    for length in (13, 5):
+        prompt = prompt_ids(length)
+        runner.reset()
+        assert runner.generate(prompt[0].tolist(), max_new_tokens=32) == hf_greedy(original, prompt, 32)
