@@ -233,3 +233,10 @@ def test_export_context_shorter_than_the_chunk_changes_nothing():
     with pytest.raises(ConfigError, match=r"max_seq_len=8 is shorter than this static swap's chunk=16; accepted: 16\.\.32"):
         etblocks.export(model, backend="portable", out="unused.pte", max_seq_len=8)
     assert model.etblocks_swap.max_seq_len == 32
+
+
+def test_hybrid_partition_needs_a_configurable_partitioner():
+    _, model = original_and_copy("llama")
+    etblocks.swap(model, backend="openvino", max_seq_len=32, chunk=8, partition="hybrid")
+    with pytest.raises(ConfigError, match=r"partition='hybrid' works with configuration-based partitioners \(XNNPACK\); got OpenvinoPartitioner"):
+        etblocks.export(model, backend="openvino", out="unused.pte")

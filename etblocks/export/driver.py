@@ -15,7 +15,7 @@ from etblocks.export.backends import get_backend, partitioners_for
 from etblocks.export.delegation import DelegationSummary, summarize
 from etblocks.export.passes import BACKEND_PASSES
 from etblocks.export.hybrid import attention_on_cpu
-from etblocks.export.programs import StaticProgram, dynamic_program, static_program
+from etblocks.export.programs import dynamic_program, static_program
 
 if TYPE_CHECKING:
     from etblocks.export.qnn import QnnReadiness
@@ -75,12 +75,13 @@ def export(
     """
     say = progress or (lambda message: None)
     partitioners = check_exportable(backend)
+    info = getattr(model, "etblocks_swap", None)
+    if info is not None and info.recipe.partition == "hybrid":
+        partitioners = [attention_on_cpu(p) for p in partitioners]
     start = time.perf_counter()
     program, exported, quantize = _export_methods(
         model, backend, max_seq_len, bos_id, eos_ids, vocab_size, quantize, calibration, say
     )
-    if isinstance(program, StaticProgram) and model.etblocks_swap.recipe.partition == "hybrid":
-        partitioners = [attention_on_cpu(p) for p in partitioners]
     for ep in exported.values():
         for rewrite in BACKEND_PASSES.get(backend, []):
             rewrite(ep)

@@ -93,7 +93,8 @@ def resolve_recipe(backend: str, **overrides) -> Recipe:
         _check_option(backend, key, value)
     recipe = RECIPES[backend]
     if overrides.get("partition") == "hybrid":
-        overrides = {"shapes": "static", "cache": "inplace", **overrides}
+        sdpa = "dynamic" if recipe.sdpa == "static" else recipe.sdpa  # an in-place cache masks by position
+        overrides = {"shapes": "static", "cache": "inplace", "sdpa": sdpa, **overrides}
     if overrides.get("shapes") == "static" and not recipe.static and overrides.get("cache", "io") == "io":
         overrides = {**_NPU, **overrides}
     recipe = dataclasses.replace(recipe, **overrides)
