@@ -25,6 +25,11 @@ BASE = dict(
     initializer_range=0.3,  # the 0.02 default makes tiny random models repeat one token
 )
 
+MLA = dict(
+    kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, head_dim=8, num_key_value_heads=4,
+    first_k_dense_replace=2,
+)
+
 # name -> (model_type, overrides). Each entry exercises what that family adds over llama.
 FAMILIES: dict[str, tuple[str, dict]] = {
     "llama": ("llama", {}),
@@ -63,6 +68,19 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     ),
     "stablelm": ("stablelm", dict(qk_layernorm=True, use_parallel_residual=True)),
     "exaone4": ("exaone4", dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])),
+    # MLA, dense layers only (no MoE yet). V3: low-rank queries, interleaved YaRN rope with mscale != 1.
+    "deepseek_v2": ("deepseek_v2", dict(q_lora_rank=None, **MLA)),
+    "deepseek_v3": (
+        "deepseek_v3",
+        dict(
+            q_lora_rank=24,
+            rope_parameters=dict(
+                rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=32,
+                mscale=0.707, mscale_all_dim=1.0, beta_fast=32, beta_slow=1,
+            ),
+            **MLA,
+        ),
+    ),
 }
 
 # Families with no registered converter that the structural fallback handles.

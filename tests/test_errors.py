@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import original_and_copy, prompt_ids, tiny_model
+from hf_models import FAMILIES, original_and_copy, prompt_ids, tiny_model
 
 import etblocks
 from etblocks.errors import BackendUnavailableError, ConfigError, ContextOverflowError, UnsupportedModelError
@@ -240,3 +240,11 @@ def test_hybrid_partition_needs_a_configurable_partitioner():
     etblocks.swap(model, backend="openvino", max_seq_len=32, chunk=8, partition="hybrid")
     with pytest.raises(ConfigError, match=r"partition='hybrid' works with configuration-based partitioners \(XNNPACK\); got OpenvinoPartitioner"):
         etblocks.export(model, backend="openvino", out="unused.pte")
+
+
+def test_mla_configs_it_cannot_serve():
+    _, model = original_and_copy(*FAMILIES["deepseek_v3"][:1], **FAMILIES["deepseek_v3"][1])
+    snapshot = _snapshot(model)
+    with pytest.raises(UnsupportedModelError, match=r"DeepseekV3Attention.*MLA has no single-head form"):
+        etblocks.swap(model, backend="qnn", max_seq_len=32, chunk=8)
+    _assert_untouched(model, snapshot)

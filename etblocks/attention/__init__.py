@@ -3,6 +3,7 @@
 from etblocks.attention.conv import Conv2dLinear
 from etblocks.attention.masks import additive_mask, allowed_keys
 from etblocks.attention.mha import Attention
+from etblocks.attention.mla import MLAttention, cos_sin_from_complex, deinterleave_matrix
 from etblocks.attention.rope import RotaryEmbedding, apply_rotary, default_inv_freq, llama3_inv_freq
 from etblocks.attention.sdpa import SDPA, CustomSDPA, DynamicSDPA, StaticSDPA, attention_math
 from etblocks.attention.sha import SingleHeadAttention, apply_rotary_3d
@@ -23,4 +24,7 @@ __all__ = [
     "llama3_inv_freq",
     "allowed_keys",
     "additive_mask",
+    "MLAttention",
+    "cos_sin_from_complex",
+    "deinterleave_matrix",
 ]

@@ -22,3 +22,8 @@ def allowed_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int |
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`0` where allowed, `-inf` elsewhere: the form static programs take as an input."""
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, float("-inf"))
+
+
+def block_sliding_window(block: torch.nn.Module) -> int | None:
+    """The sliding window an attention block attends within (its SDPA's), None for full attention."""
+    return getattr(getattr(block, "sdpa", None), "sliding_window", None)

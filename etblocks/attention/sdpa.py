@@ -28,9 +28,13 @@ def attention_math(
     scale: float,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """Reference attention. `mask` is boolean (True = attend) or additive, shaped `[T, S]`."""
+    """Reference attention. `mask` is boolean (True = attend) or additive, shaped `[T, S]`.
+
+    `q [B, T, H, D]`, `k [B, S, Hkv, D]`, `v [B, S, Hkv, Dv]` -> `[B, T, H, Dv]` (Dv may differ from D, as in MLA).
+    """
     bsz, q_len, n_heads, head_dim = q.shape
     n_kv_heads = k.shape[2]
+    v_head_dim = v.shape[-1]
     groups = n_heads // n_kv_heads
     # [B, Hkv, G*T, D]: the G query heads that share one KV head attend as one longer query block.
     q = q.view(bsz, q_len, n_kv_heads, groups, head_dim).permute(0, 2, 3, 1, 4).reshape(bsz, n_kv_heads, groups * q_len, head_dim)
@@ -46,8 +50,8 @@ def attention_math(
     else:
         scores = scores + mask
     probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
-    out = torch.matmul(probs, v)  # [B, Hkv, G*T, D]
-    return out.view(bsz, n_kv_heads, groups, q_len, head_dim).permute(0, 3, 1, 2, 4).reshape(bsz, q_len, n_heads, head_dim)
+    out = torch.matmul(probs, v)  # [B, Hkv, G*T, Dv]
+    return out.view(bsz, n_kv_heads, groups, q_len, v_head_dim).permute(0, 3, 1, 2, 4).reshape(bsz, q_len, n_heads, v_head_dim)
 
 
 class SDPA(nn.Module):

@@ -3,7 +3,8 @@
 A static program has fixed shapes. With caller-owned ("io") caches its methods take
 `(tokens int64 [1, T], positions int64 [1, T], *masks, *caches)` and return `(logits [1, T, V], *new_rows)`:
 - one additive mask `[T, L + T]` per cache group (full attention, or a sliding window W with its own length L),
-- per layer `k_cache`, `v_cache` `[1, L, Hkv, D]` of its group's length, and the T new rows of each `[1, T, Hkv, D]`.
+- per layer `k_cache`, `v_cache` `[1, L, Hkv, Dk]`, `[1, L, Hkv, Dv]` of its group's length, and the T new rows
+  of each (`[1, T, Hkv, Dk]`, `[1, T, Hkv, Dv]`).
 With in-place caches (hybrid partition) they take `(tokens int64 [1, T], input_pos int64 [1])` and return the
 last token's logits `[1, V]`, like the dynamic contract at fixed T.
 
@@ -33,9 +34,13 @@ class CacheGroup:
 
 @dataclass(frozen=True)
 class LayerCache:
+    """One layer's two caches: `k` rows `[n_kv_heads, k_dim]` and `v` rows `[n_kv_heads, v_dim]` per position.
+    MLA layers keep one "head": the compressed latent as k and the shared roped key as v."""
+
     group: str
     n_kv_heads: int
-    head_dim: int
+    k_dim: int
+    v_dim: int
 
 
 @dataclass(frozen=True)
@@ -61,9 +66,13 @@ class StaticContract:
     def group(self, name: str) -> CacheGroup:
         return next(g for g in self.groups if g.name == name)
 
-    def cache_shape(self, layer: int) -> tuple[int, int, int, int]:
-        spec = self.layers[layer]
-        return (1, self.group(spec.group).length, spec.n_kv_heads, spec.head_dim)
+    def cache_shapes(self) -> list[tuple[int, int, int, int]]:
+        """Shapes of the cache inputs in order: `[1, L, Hkv, Dk]`, `[1, L, Hkv, Dv]` per layer."""
+        shapes = []
+        for spec in self.layers:
+            length = self.group(spec.group).length
+            shapes += [(1, length, spec.n_kv_heads, spec.k_dim), (1, length, spec.n_kv_heads, spec.v_dim)]
+        return shapes
 
     def inputs(self) -> list[str]:
         if self.cache == "inplace":

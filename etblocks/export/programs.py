@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from etblocks.attention.masks import block_sliding_window
 from etblocks.errors import ConfigError
 from etblocks.export.contract import CONTRACT_METHOD, CacheGroup, LayerCache, StaticContract
 from etblocks.kv_cache.base import find_caches
@@ -86,7 +87,7 @@ class StaticProgram:
             return tokens, torch.zeros(1, dtype=torch.long)
         dtype = contract.torch_dtype
         masks = [torch.zeros(width, group.length + width, dtype=dtype) for group in contract.groups]
-        caches = [torch.zeros(contract.cache_shape(i), dtype=dtype) for i in range(len(contract.layers)) for _ in "kv"]
+        caches = [torch.zeros(shape, dtype=dtype) for shape in contract.cache_shapes()]
         return (tokens, torch.arange(width).unsqueeze(0), *masks, *caches)
 
 
@@ -119,16 +120,17 @@ def static_program(
         groups: dict[int | None, CacheGroup] = {}
         layers = []
         for block in blocks:
-            window = block.sdpa.sliding_window
+            window = block_sliding_window(block)
             if window not in groups:
                 groups[window] = CacheGroup("full" if window is None else f"window{window}", window or max_seq_len, window)
-            layers.append(LayerCache(groups[window].name, block.n_kv_heads, block.head_dim))
+            cache = block.kv_cache
+            layers.append(LayerCache(groups[window].name, cache.n_kv_heads, cache.head_dim, cache.v_head_dim))
         order = list(groups)
         mask_value = QUANTIZED_MASK_VALUE if quantized else float("-inf")
         contract = StaticContract(
             cache="io", mask_value=mask_value, groups=tuple(groups.values()), layers=tuple(layers), **common
         )
-        module = HFStaticProgram(model, blocks, [order.index(block.sdpa.sliding_window) for block in blocks])
+        module = HFStaticProgram(model, blocks, [order.index(block_sliding_window(block)) for block in blocks])
     _override_tokens(tokens, bos_id, eos_ids)
     metadata = _llm_runner_metadata(max_seq_len, tokens, dynamic=False)
     metadata[CONTRACT_METHOD] = contract.as_constant()

@@ -60,7 +60,7 @@ class StaticDriver:
 
     def _empty_caches(self) -> list[torch.Tensor]:
         dtype = self.contract.torch_dtype
-        return [torch.zeros(self.contract.cache_shape(i), dtype=dtype) for i in range(len(self.contract.layers)) for _ in "kv"]
+        return [torch.zeros(shape, dtype=dtype) for shape in self.contract.cache_shapes()]
 
     def reset(self) -> None:
         """Start a new sequence. Cache rows need no clearing: masks never let a query read an unwritten row."""

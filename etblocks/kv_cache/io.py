@@ -17,12 +17,15 @@ class IOKVCache(nn.Module):
     A program whose attention is called by code it does not own (a transformers decoder layer) hands each
     layer its inputs with `bind(k_cache, v_cache, mask)` before the call and collects the new rows with
     `take()` after it.
+
+    `v_head_dim` (default `head_dim`) is the last dim of `v_cache` when it differs from `k_cache`'s (MLA).
     """
 
-    def __init__(self, n_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, n_kv_heads: int, head_dim: int, v_head_dim: int | None = None) -> None:
         super().__init__()
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
+        self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
         self._bound: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._new_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 

@@ -21,8 +21,9 @@ class StaticKVCache(KVCache):
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         use_custom_op: bool = False,
+        v_head_dim: int | None = None,
     ) -> None:
-        super().__init__(max_batch_size, max_seq_len, n_kv_heads, head_dim, dtype)
+        super().__init__(max_batch_size, max_seq_len, n_kv_heads, head_dim, dtype, v_head_dim)
         self.use_custom_op = use_custom_op
         if use_custom_op:
             from etblocks.attention.sdpa import load_llama_custom_ops

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from etblocks.attention.masks import additive_mask, allowed_keys
+from etblocks.attention.masks import additive_mask, allowed_keys, block_sliding_window
 from etblocks.errors import ConfigError, UnsupportedModelError
 from etblocks.kv_cache.base import find_caches, reset_caches
 from etblocks.kv_cache.io import IOKVCache
@@ -16,7 +16,7 @@ from etblocks.swap.hf.convert import build_attention
 from etblocks.swap.hf.families import register_families
 from etblocks.swap.hf.fallback import infer_layout
 from etblocks.swap.recipes import Recipe, resolve_recipe
-from etblocks.swap.registry import ATTENTION, SwapContext
+from etblocks.swap.registry import ATTENTION, MODULES, SwapContext
 
 DEFAULT_MAX_SEQ_LEN = 2048
 PROBE_LEN = 16
@@ -69,9 +69,10 @@ def swap(
             f"{type(model).__name__} has no `self_attn` modules to swap; supported attention classes: {ATTENTION.supported()}"
         )
     replacements = [(name, _convert(name, module, ctx)) for name, module in targets]
+    others = [(name, converter(module, ctx)) for name, module in model.named_modules() if (converter := MODULES.lookup(module))]
     if verify:
         _verify(model, targets, replacements, max_seq_len)
-    _commit(model, replacements, recipe)
+    _commit(model, replacements + others, recipe)
     model.etblocks_swap = SwapInfo(recipe, max_seq_len, tuple(name for name, _ in targets))
     return model
 
@@ -132,7 +133,7 @@ def _convert(name: str, module: nn.Module, ctx: SwapContext) -> nn.Module:
 
 def _verify(model: nn.Module, targets, replacements, max_seq_len: int) -> None:
     """Each replacement must reproduce its original's output on the inputs the original saw in a probe run."""
-    windows = [w for _, new in replacements if (w := getattr(getattr(new, "sdpa", None), "sliding_window", None))]
+    windows = [w for _, new in replacements if (w := block_sliding_window(new))]
     probe_len = min(max([PROBE_LEN] + [w + 4 for w in windows]), max_seq_len)
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model.config.vocab_size, (1, probe_len), generator=generator)
@@ -174,9 +175,11 @@ def _bind_empty_io_cache(block: nn.Module, position_ids: torch.Tensor | None) ->
     if not isinstance(cache, IOKVCache) or position_ids is None:
         return
     positions = position_ids[0]
-    empty = torch.zeros(1, 0, block.n_kv_heads, block.head_dim, dtype=next(block.parameters()).dtype)
-    mask = additive_mask(allowed_keys(positions, positions, block.sdpa.sliding_window))
-    cache.bind(empty, empty, mask)
+    dtype = next(block.parameters()).dtype
+    k_empty = torch.zeros(1, 0, cache.n_kv_heads, cache.head_dim, dtype=dtype)
+    v_empty = torch.zeros(1, 0, cache.n_kv_heads, cache.v_head_dim, dtype=dtype)
+    mask = additive_mask(allowed_keys(positions, positions, block_sliding_window(block)))
+    cache.bind(k_empty, v_empty, mask)
 
 
 def _commit(model: nn.Module, replacements, recipe: Recipe) -> None:

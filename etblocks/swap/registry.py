@@ -49,6 +49,8 @@ class Registry:
 
 
 ATTENTION = Registry()
+# Other upstream modules a family needs replaced for export (e.g. a rotary table computed with complex ops).
+MODULES = Registry()
 
 
 def register(*upstream: type) -> Callable[[Converter], Converter]:

@@ -113,7 +113,7 @@ def test_contract_describes_layers_and_windows():
     assert StaticContract.from_json(contract.to_json()) == contract
     assert [g.name for g in contract.groups] == ["window6", "full"]
     assert [layer.group for layer in contract.layers] == ["window6", "full"]
-    assert contract.cache_shape(0) == (1, 6, 2, 16) and contract.cache_shape(1) == (1, CONTEXT, 2, 16)
+    assert contract.cache_shapes() == [(1, 6, 2, 16)] * 2 + [(1, CONTEXT, 2, 16)] * 2
     assert contract.inputs() == ["tokens", "positions", "mask.window6", "mask.full", "k_cache.0", "v_cache.0", "k_cache.1", "v_cache.1"]
     assert contract.outputs() == ["logits", "k_new.0", "v_new.0", "k_new.1", "v_new.1"]
     assert all(isinstance(m, IOKVCache) for m in (layer.self_attn.kv_cache for layer in swapped.model.layers))
@@ -161,6 +161,22 @@ def test_hybrid_partition_matches_hf_generate(options, tmp_path):
     for summary in result.delegations.values():
         assert summary.ops_per_delegate["XnnpackBackend"] > 100
         assert not any(op in summary.cpu_ops for op in ("aten.mm", "aten.addmm", "aten.linear"))
+    for length in PROMPT_LENGTHS:
+        prompt = prompt_ids(length)
+        runner.reset()
+        assert runner.generate(prompt[0].tolist(), max_new_tokens=NEW_TOKENS) == hf_greedy(original, prompt, NEW_TOKENS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, backend", [("deepseek_v2", "portable"), ("deepseek_v3", "xnnpack")])
+def test_mla_static_program_matches_hf_generate(name, backend, tmp_path):
+    """MLA under the static contract: per layer the caller keeps the latent `[1, L, 1, kv_lora_rank]` and the
+    roped shared key `[1, L, 1, qk_rope_head_dim]`, nothing per head."""
+    original, swapped = swap_static(name, backend)
+    result = etblocks.export(swapped, backend=backend, out=tmp_path / f"{name}.pte")
+    runner = etblocks.Runner(result.path)
+    config = original.config
+    assert runner.contract.cache_shapes()[:2] == [(1, CONTEXT, 1, config.kv_lora_rank), (1, CONTEXT, 1, config.qk_rope_head_dim)]
     for length in PROMPT_LENGTHS:
         prompt = prompt_ids(length)
         runner.reset()

@@ -60,6 +60,9 @@ def _converter(layout: HFAttentionLayout):
 
 def register_families() -> None:
     """Register every family whose transformers module imports here (a missing one is simply not offered)."""
+    from etblocks.swap.hf.deepseek import register_mla_families
+
+    register_mla_families()
     for model_type, (class_name, layout) in FAMILIES.items():
         try:
             module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
