@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from attention_refs import hf_forward, randomize_weights
 from torch import nn
 from transformers import LlamaConfig, Olmo2Config, Phi3Config, Qwen3Config, StableLmConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
@@ -61,19 +62,6 @@ FAMILIES = [
 ]
 
 
-def randomize(module: nn.Module, seed: int) -> None:
-    """Weights large enough that attention is far from uniform and norms are far from identity."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if p.dim() == 1 and name.endswith("weight"):
-                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
-            elif p.dim() == 1:
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
-
-
 def make_hf(family: Family, seed: int = 0):
     cfg = family.config_cls(
         hidden_size=64,
@@ -85,7 +73,7 @@ def make_hf(family: Family, seed: int = 0):
         **family.config,
     )
     attn = family.attention_cls(cfg, layer_idx=0).eval()
-    randomize(attn, seed)
+    randomize_weights(attn, seed)
     return cfg, attn, family.rotary_cls(cfg)
 
 
@@ -116,15 +104,6 @@ def block_from_hf(family: Family, cfg, hf: nn.Module, kv_cache=None, custom: boo
         **projections,
         **norms,
     ).eval()
-
-
-def hf_forward(hf, rotary, x: torch.Tensor) -> torch.Tensor:
-    seq = x.shape[1]
-    position_ids = torch.arange(seq)[None].expand(x.shape[0], -1)
-    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
-    mask = torch.where(causal, 0.0, torch.finfo(torch.float32).min)[None, None]
-    out, _ = hf(hidden_states=x, position_embeddings=rotary(x, position_ids), attention_mask=mask)
-    return out
 
 
 @pytest.fixture(params=FAMILIES, ids=[f.name for f in FAMILIES])
@@ -180,11 +159,11 @@ def test_heads_first_with_a_last_dim_norm_equals_head_layout():
     """A norm over the last dim does not care whether heads come first; only the view differs."""
     torch.manual_seed(6)
     q_norm, k_norm = Qwen3RMSNorm(8), Qwen3RMSNorm(8)
-    randomize(q_norm, 1)
-    randomize(k_norm, 2)
+    randomize_weights(q_norm, 1)
+    randomize_weights(k_norm, 2)
     projections = [nn.Linear(32, 32), nn.Linear(32, 16), nn.Linear(32, 16), nn.Linear(32, 32)]
     for p in projections:
-        randomize(p, 3)
+        randomize_weights(p, 3)
 
     def block(layout, with_norm=True):
         q, k, v, o = projections
@@ -206,7 +185,7 @@ def test_fused_qkv_equals_separate_projections(bias):
     q, k, v = nn.Linear(dim, heads * head_dim, bias), nn.Linear(dim, kv_heads * head_dim, bias), nn.Linear(dim, kv_heads * head_dim, bias)
     o = nn.Linear(heads * head_dim, dim, bias=False)
     for m in (q, k, v, o):
-        randomize(m, 8)
+        randomize_weights(m, 8)
     fused = nn.Linear(dim, (heads + 2 * kv_heads) * head_dim, bias)
     with torch.no_grad():
         fused.weight.copy_(torch.cat([q.weight, k.weight, v.weight]))
@@ -226,7 +205,7 @@ def small_block(cls=Attention, rope=True, seed=9):
     torch.manual_seed(seed)
     projections = [nn.Linear(32, 32, bias=False), nn.Linear(32, 16, bias=False), nn.Linear(32, 16, bias=False), nn.Linear(32, 32, bias=False)]
     for p in projections:
-        randomize(p, seed)
+        randomize_weights(p, seed)
     rotary = RotaryEmbedding(default_inv_freq(8, 10000.0)) if rope else None
     return cls(4, 2, 8, DynamicSDPA(8**-0.5), None, *projections, rope=rotary)
 

@@ -18,12 +18,13 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from attention_refs import hf_attention, io_mask
 from torch import nn
 from transformers import DeepseekV2Config, DeepseekV3Config
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Attention, DeepseekV2RotaryEmbedding
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 
-from etblocks.attention import MLAttention, RotaryEmbedding, additive_mask, allowed_keys, cos_sin_from_complex
+from etblocks.attention import MLAttention, RotaryEmbedding, cos_sin_from_complex
 from etblocks.kv_cache import IOKVCache, StaticKVCache
 
 ATOL = 1e-5
@@ -138,12 +139,8 @@ def mla_from_hf(family: Family, hf: nn.Module, rotary: nn.Module, kv_cache=None,
 
 
 def hf_forward(family: Family, hf, rotary, x: torch.Tensor) -> torch.Tensor:
-    seq = x.shape[1]
-    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
-    mask = torch.where(causal, 0.0, torch.finfo(torch.float32).min)[None, None]
-    tables, _ = hf_tables(family, rotary, x, torch.arange(seq))
-    out, _ = hf(hidden_states=x, position_embeddings=tables, attention_mask=mask)
-    return out
+    tables, _ = hf_tables(family, rotary, x, torch.arange(x.shape[1]))
+    return hf_attention(hf, x, tables)
 
 
 @pytest.fixture(params=FAMILIES, ids=[f.name for f in FAMILIES])
@@ -191,14 +188,6 @@ def test_chunked_static_cache_matches_hf_full_sequence(family, absorb, custom):
     torch.testing.assert_close(torch.cat(outs, dim=1), ref, rtol=0, atol=ATOL)
     # Only the compressed latent and the shared roped key are cached.
     assert cache.k_cache.shape == (2, CACHE_LEN, 1, RANK) and cache.v_cache.shape == (2, CACHE_LEN, 1, ROPE)
-
-
-def io_mask(start: int, length: int, cache_len: int) -> torch.Tensor:
-    """`[T, S + T]`: cache slot s holds position s when s < start (else empty); then the chunk, causal."""
-    q_pos = torch.arange(start, start + length)
-    slots = torch.arange(cache_len)
-    slot_pos = torch.where(slots < start, slots, -1)
-    return additive_mask(allowed_keys(q_pos, torch.cat((slot_pos, q_pos))))
 
 
 @ABSORB

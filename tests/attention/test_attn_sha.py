@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from attention_refs import causal_mask, hf_forward, io_mask, randomize_weights
 from torch import nn
 from transformers import Gemma2Config, LlamaConfig, Phi3Config, Qwen3Config
 from transformers.models.gemma2.modeling_gemma2 import Gemma2Attention, Gemma2RotaryEmbedding
@@ -66,19 +67,6 @@ FAMILIES = [
 ]
 
 
-def randomize(module: nn.Module, seed: int) -> None:
-    """Weights large enough that attention is far from uniform and norms are far from identity."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if p.dim() == 1 and name.endswith("weight"):
-                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
-            elif p.dim() == 1:
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
-
-
 def make_hf(family: Family, seed: int = 0):
     cfg = family.config_cls(
         hidden_size=DIM,
@@ -90,7 +78,7 @@ def make_hf(family: Family, seed: int = 0):
         **family.config,
     )
     attn = family.attention_cls(cfg, layer_idx=0).eval()
-    randomize(attn, seed)
+    randomize_weights(attn, seed)
     return cfg, attn, family.rotary_cls(cfg)
 
 
@@ -116,28 +104,6 @@ def sha_from_hf(family: Family, cfg, hf: nn.Module, io_cache: bool = False, conv
         **norms,
     )
     return SingleHeadAttention.from_attention(attention, conv2d=conv2d).eval()
-
-
-def additive(allowed: torch.Tensor) -> torch.Tensor:
-    return torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
-
-
-def causal_mask(seq: int) -> torch.Tensor:
-    """`[T, T]`: 0 on and below the diagonal, -inf above."""
-    return additive(torch.ones(seq, seq, dtype=torch.bool).tril())
-
-
-def io_mask(start: int, length: int, cache_len: int) -> torch.Tensor:
-    """`[T, S + T]` for a chunk at `start`: cache slots `[0, start)` are filled, the new rows are causal."""
-    filled = (torch.arange(cache_len) < start).expand(length, cache_len)
-    return additive(torch.cat((filled, torch.ones(length, length, dtype=torch.bool).tril()), dim=1))
-
-
-def hf_forward(hf, rotary, x: torch.Tensor) -> torch.Tensor:
-    position_ids = torch.arange(x.shape[1])[None].expand(x.shape[0], -1)
-    mask = torch.where(causal_mask(x.shape[1]) == 0, 0.0, torch.finfo(torch.float32).min)[None, None]
-    out, _ = hf(hidden_states=x, position_embeddings=rotary(x, position_ids), attention_mask=mask)
-    return out
 
 
 @pytest.fixture(params=FAMILIES, ids=[f.name for f in FAMILIES])
