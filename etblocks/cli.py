@@ -172,13 +172,13 @@ def cmd_export(args: argparse.Namespace) -> int:
 def _check_backend(options: Resolved, lower: bool = True) -> tuple[str, dict, Any]:
     """Backend, recipe overrides and the recipe's dtype, checked before any model is loaded (`lower=False`: the
     backend need not be usable here, e.g. a QNN readiness check without the SDK)."""
-    from etblocks.export.driver import check_exportable
+    from etblocks.export.backends import partitioners_for
     from etblocks.swap.recipes import resolve_recipe
 
     backend = options["backend"]
     try:
         if lower:
-            check_exportable(backend)  # typed errors now rather than after minutes of work
+            partitioners_for(backend)  # typed errors now rather than after minutes of work
     except ConfigError as exc:
         raise ConfigError(f"{options.where('backend')}: {exc}") from None
     overrides = {key: options[key] for key in ("sdpa", "shapes", "chunk") if options[key] is not None}

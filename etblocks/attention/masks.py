@@ -19,9 +19,10 @@ def allowed_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int |
     return allowed
 
 
-def additive_mask(allowed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """`0` where allowed, `-inf` elsewhere: the form static programs take as an input."""
-    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, float("-inf"))
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype = torch.float32, masked: float = float("-inf")) -> torch.Tensor:
+    """`0` where allowed, `masked` (-inf; quantized programs use a finite value) elsewhere: the form static
+    programs take as an input."""
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, masked)
 
 
 def block_sliding_window(block: torch.nn.Module) -> int | None:

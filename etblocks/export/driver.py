@@ -74,7 +74,7 @@ def export(
     Errors (`ConfigError`, `BackendUnavailableError`) come before any work.
     """
     say = progress or (lambda message: None)
-    partitioners = check_exportable(backend)
+    partitioners = partitioners_for(backend)  # typed errors before any work
     info = getattr(model, "etblocks_swap", None)
     if info is not None and info.recipe.partition == "hybrid":
         partitioners = [attention_on_cpu(p) for p in partitioners]
@@ -165,12 +165,6 @@ def _static_quantize(recipe, backend: str, quantize) -> str | None:
     if quantize is not None and recipe.cache != "io":
         raise ConfigError(f"quantize={quantize!r} needs the static program with cache='io'; this swap has cache={recipe.cache!r}")
     return quantize
-
-
-def check_exportable(backend: str) -> list:
-    """The partitioners for `backend` once it is known and usable here; else the typed error (`ConfigError`,
-    `BackendUnavailableError`). Cheap: call it before loading a model."""
-    return partitioners_for(backend)
 
 
 def _torch_export(module: nn.Module, example_inputs: tuple, dynamic_shapes=None) -> torch.export.ExportedProgram:

@@ -23,9 +23,13 @@ def _subclass_names(cls: type) -> set[str]:
     return names
 
 
-def in_attention_core(node: torch.fx.Node) -> bool:
-    """Whether `node` was traced inside an SDPA or a KV cache module (by the node's module stack)."""
-    core = _subclass_names(SDPA) | _subclass_names(KVCache)
+def attention_core_types() -> set[str]:
+    """Qualified names of every SDPA and KV cache class (subclasses included) as module stacks record them."""
+    return _subclass_names(SDPA) | _subclass_names(KVCache)
+
+
+def in_attention_core(node: torch.fx.Node, core: set[str]) -> bool:
+    """Whether `node` was traced inside one of the `core` module types (by the node's module stack)."""
     for _, module_type in node.meta.get("nn_module_stack", {}).values():
         name = module_type if isinstance(module_type, str) else f"{module_type.__module__}.{module_type.__qualname__}"
         if name in core:
@@ -51,10 +55,11 @@ def attention_on_cpu(partitioner):
             return partitioner.ops_to_not_decompose(ep)
 
         def partition(self, ep) -> PartitionResult:
+            core = attention_core_types()
             groups = [
                 group
                 for group in partitioner.get_matched_nodes_from_configs(ep)
-                if not any(in_attention_core(node) for node in group)
+                if not any(in_attention_core(node, core) for node in group)
             ]
             tags = {}
             for found in generate_grouped_partitions_from_list_of_nodes(ep.graph_module, groups):

@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from etblocks.attention.masks import allowed_keys
+from etblocks.attention.masks import additive_mask, allowed_keys
 from etblocks.errors import ConfigError, ContextOverflowError
 from etblocks.export.contract import CacheGroup, StaticContract
 
@@ -36,7 +36,7 @@ def group_mask(group: CacheGroup, pos: int, n_tokens: int, dtype: torch.dtype, m
     """Additive `[T, L + T]` mask for queries at `pos .. pos + T - 1` over the cache rows and the T new rows."""
     q_pos = torch.arange(pos, pos + n_tokens)
     allowed = allowed_keys(q_pos, torch.cat((slot_positions(group, pos), q_pos)), group.window)
-    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, mask_value)
+    return additive_mask(allowed, dtype, mask_value)
 
 
 class StaticDriver:

@@ -71,14 +71,6 @@ _CHOICES = {
     "partition": ("all", "hybrid"),
     "quantize": (None, *QUANTIZE_QNN),
 }
-# Options a backend's recipe cannot take, with the reason the error gives.
-_UNSUPPORTED = {
-    ("coreml", "quantize"): "Core ML programs are fp32 or fp16 (dtype=torch.float16); QnnQuantizer precisions are for qnn",
-    ("vulkan", "quantize"): "QnnQuantizer precisions are for qnn",
-    ("openvino", "quantize"): "QnnQuantizer precisions are for qnn",
-    ("xnnpack", "quantize"): "QnnQuantizer precisions are for qnn",
-    ("portable", "quantize"): "QnnQuantizer precisions are for qnn",
-}
 
 
 def resolve_recipe(backend: str, **overrides) -> Recipe:
@@ -115,8 +107,9 @@ def _check_option(backend: str, key: str, value) -> None:
         raise ConfigError(f"unknown recipe option {key}={value!r}; accepted options: {sorted(_CHOICES) + ['chunk', 'dtype']}")
     if value not in _CHOICES[key]:
         raise ConfigError(f"{key}={value!r} is not accepted; choose one of {list(_CHOICES[key])}")
-    if value is not None and (backend, key) in _UNSUPPORTED:
-        raise ConfigError(f"backend={backend!r} does not support {key}={value!r}: {_UNSUPPORTED[backend, key]}")
+    if key == "quantize" and value is not None and backend != "qnn":
+        hint = "; Core ML programs are fp32 or fp16 (dtype=torch.float16)" if backend == "coreml" else ""
+        raise ConfigError(f"backend={backend!r} does not support quantize={value!r}: QnnQuantizer precisions are for qnn{hint}")
 
 
 def _check_consistent(recipe: Recipe) -> None:
