@@ -24,27 +24,44 @@ def additive(allowed: torch.Tensor) -> torch.Tensor:
     return torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
 
 
-def causal_mask(seq: int) -> torch.Tensor:
-    """`[T, T]`: 0 on and below the diagonal, -inf above."""
-    return additive(torch.ones(seq, seq, dtype=torch.bool).tril())
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None = None) -> torch.Tensor:
+    """Boolean `[T, S]`: the key at `k_pos[s]` is not after the query at `q_pos[t]` (and, with a window W,
+    fewer than W positions back)."""
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    if sliding_window is not None:
+        allowed &= q_pos[:, None] - k_pos[None, :] < sliding_window
+    return allowed
 
 
-def io_mask(start: int, length: int, cache_len: int) -> torch.Tensor:
-    """`[T, S + T]` for a chunk at `start`: cache slots `[0, start)` are filled, the new rows are causal."""
-    filled = (torch.arange(cache_len) < start).expand(length, cache_len)
-    return additive(torch.cat((filled, torch.ones(length, length, dtype=torch.bool).tril()), dim=1))
+def causal_mask(seq: int, sliding_window: int | None = None) -> torch.Tensor:
+    """`[T, T]`: 0 on and below the diagonal (within the window, if given), -inf elsewhere."""
+    positions = torch.arange(seq)
+    return additive(visible(positions, positions, sliding_window))
 
 
-def hf_attention(hf: nn.Module, x: torch.Tensor, position_embeddings) -> torch.Tensor:
-    """A transformers attention module over the whole sequence `x [B, T, D]` with HF's eager causal mask."""
-    seq = x.shape[1]
-    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
-    mask = torch.where(causal, 0.0, torch.finfo(torch.float32).min)[None, None]
+def io_mask(start: int, length: int, cache_len: int, sliding_window: int | None = None) -> torch.Tensor:
+    """`[T, S + T]` for a chunk at `start`: cache slot j holds position j for j < `start` (the rest are empty),
+    the new rows hold positions `start, start + 1, ...`; causal, and within the window if given."""
+    queries = torch.arange(start, start + length)
+    slots = torch.arange(cache_len)
+    empty = torch.iinfo(torch.long).max  # after every query: never visible
+    keys = torch.cat((torch.where(slots < start, slots, empty), queries))
+    return additive(visible(queries, keys, sliding_window))
+
+
+def hf_attention(
+    hf: nn.Module, x: torch.Tensor, position_embeddings, sliding_window: int | None = None
+) -> torch.Tensor:
+    """A transformers attention module over the whole sequence `x [B, T, D]` with HF's eager causal mask
+    (sliding, if a window is given)."""
+    positions = torch.arange(x.shape[1])
+    allowed = visible(positions, positions, sliding_window)
+    mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[None, None]
     out, _ = hf(hidden_states=x, position_embeddings=position_embeddings, attention_mask=mask)
     return out
 
 
-def hf_forward(hf: nn.Module, rotary: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def hf_forward(hf: nn.Module, rotary: nn.Module, x: torch.Tensor, sliding_window: int | None = None) -> torch.Tensor:
     """`hf_attention` with the `(cos, sin)` the family's rotary module computes for positions `0..T-1`."""
     position_ids = torch.arange(x.shape[1])[None].expand(x.shape[0], -1)
-    return hf_attention(hf, x, rotary(x, position_ids))
+    return hf_attention(hf, x, rotary(x, position_ids), sliding_window)

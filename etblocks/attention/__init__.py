@@ -5,7 +5,7 @@ from etblocks.attention.masks import additive_mask, allowed_keys
 from etblocks.attention.mha import Attention
 from etblocks.attention.mla import MLAttention, cos_sin_from_complex, deinterleave_matrix
 from etblocks.attention.rope import RotaryEmbedding, apply_rotary, default_inv_freq, llama3_inv_freq
-from etblocks.attention.sdpa import SDPA, CustomSDPA, DynamicSDPA, StaticSDPA, attention_math
+from etblocks.attention.sdpa import SDPA, CustomSDPA, DynamicSDPA, StaticSDPA, attention_math, softmax_with_sinks
 from etblocks.attention.sha import SingleHeadAttention, apply_rotary_3d
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "DynamicSDPA",
     "StaticSDPA",
     "attention_math",
+    "softmax_with_sinks",
     "RotaryEmbedding",
     "apply_rotary",
     "apply_rotary_3d",

@@ -15,6 +15,16 @@ from etblocks.kv_cache.io import IOKVCache
 QKNormLayout = Literal["head", "full", "heads_first"]
 
 
+def check_sinks(sinks: torch.Tensor | None, n_heads: int, sdpa: SDPA) -> None:
+    """Sinks must be one logit per query head, for an SDPA that can apply them."""
+    if sinks is None:
+        return
+    if tuple(sinks.shape) != (n_heads,):
+        raise ValueError(f"sinks must have shape [{n_heads}] (one per query head); got {tuple(sinks.shape)}")
+    if not sdpa.supports_sinks:
+        raise ValueError(f"{type(sdpa).__name__} cannot apply attention sinks; use DynamicSDPA or StaticSDPA")
+
+
 class Attention(nn.Module):
     """Multi-head attention with grouped KV heads, rotary embeddings and an owned or caller-owned KV cache.
 
@@ -24,8 +34,9 @@ class Attention(nn.Module):
 
     Projections are `q_proj`, `k_proj`, `v_proj` (or one fused `qkv_proj`) and `o_proj`. Optional `q_norm` /
     `k_norm` apply per head (`"head"`), over the whole projection (`"full"`) or on a `[B, H, T, D]` view
-    (`"heads_first"`). Subclasses change one step by overriding `project_qkv`, `normalize_qk`,
-    `rotate` or `attend`.
+    (`"heads_first"`). Optional `sinks [H]` are per-head sink logits (GPT-OSS): the block owns them, like its
+    projections, so they keep the upstream key `<block>.sinks`, and hands them to its SDPA. Subclasses change
+    one step by overriding `project_qkv`, `normalize_qk`, `rotate` or `attend`.
     """
 
     def __init__(
@@ -44,10 +55,12 @@ class Attention(nn.Module):
         q_norm: nn.Module | None = None,
         k_norm: nn.Module | None = None,
         qk_norm_layout: QKNormLayout = "head",
+        sinks: nn.Parameter | None = None,
     ) -> None:
         super().__init__()
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+        check_sinks(sinks, n_heads, sdpa)
         if (qkv_proj is None) == (q_proj is None):
             raise ValueError("give either q_proj, k_proj and v_proj, or one fused qkv_proj")
         self.n_heads = n_heads
@@ -60,6 +73,7 @@ class Attention(nn.Module):
         self.register_buffer("rotation", rotate_half_matrix(head_dim), persistent=False)
         self.sdpa = sdpa
         self.kv_cache = kv_cache
+        self.register_parameter("sinks", sinks)
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`x [B, T, D]` -> flat `q [B, T, H*Dh]`, `k, v [B, T, Hkv*Dh]`."""
@@ -91,7 +105,7 @@ class Attention(nn.Module):
         return apply_rotary(q, cos, sin, self.rotation), apply_rotary(k, cos, sin, self.rotation)
 
     def attend(self, q, k, v, q_pos, k_pos, mask=None) -> torch.Tensor:
-        return self.sdpa(q, k, v, q_pos, k_pos, mask)
+        return self.sdpa(q, k, v, q_pos, k_pos, mask, sinks=self.sinks)
 
     def forward(self, x: torch.Tensor, input_pos: torch.Tensor, position_embeddings=None, kv=None, mask=None):
         bsz = x.shape[0]

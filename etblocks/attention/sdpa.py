@@ -4,7 +4,8 @@
 - `DynamicSDPA`: plain torch; builds its mask from positions, so it also serves ring caches and softcaps.
 - `StaticSDPA`: plain torch over a fixed-size cache with an additive mask the caller gives (static programs).
 
-GQA is computed by grouping queries per KV head, never by repeating K/V.
+GQA is computed by grouping queries per KV head, never by repeating K/V. The plain-torch forms also take
+attention sinks (GPT-OSS): one learned logit per head that takes probability mass but reads no value.
 """
 
 from __future__ import annotations
@@ -20,6 +21,21 @@ def load_llama_custom_ops() -> None:
     from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401
 
 
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 softmax over the last dim of `scores [..., S]`; `sinks` (broadcastable to `[..., 1]`) is one more
+    logit per row whose probability is dropped, so the row's weights sum to less than 1.
+
+    The sink is concatenated as a column, softmaxed with the row and sliced off, as upstream GPT-OSS does.
+    XNNPACK takes the concat and softmax; at a dynamic T only the slice stays on CPU (it slices static shapes
+    only), where the equal rescale by `sigmoid(logsumexp - sink)` leaves its max and sum reductions there.
+    """
+    scores = scores.float()
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    column = sinks.float().expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat((scores, column), dim=-1), dim=-1).narrow(-1, 0, scores.shape[-1])
+
+
 def attention_math(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -27,8 +43,10 @@ def attention_math(
     mask: torch.Tensor,
     scale: float,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference attention. `mask` is boolean (True = attend) or additive, shaped `[T, S]`.
+    """Reference attention. `mask` is boolean (True = attend) or additive, shaped `[T, S]`; `sinks [H]` are
+    optional per-head sink logits.
 
     `q [B, T, H, D]`, `k [B, S, Hkv, D]`, `v [B, S, Hkv, Dv]` -> `[B, T, H, Dv]` (Dv may differ from D, as in MLA).
     """
@@ -49,16 +67,23 @@ def attention_math(
         scores = scores.masked_fill(~mask, float("-inf"))
     else:
         scores = scores + mask
-    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
-    out = torch.matmul(probs, v)  # [B, Hkv, G*T, Dv]
+    if sinks is None:
+        probs = softmax_with_sinks(scores)
+    else:  # row g*T + t of KV head j is query head j*G + g
+        column = sinks.view(n_kv_heads, groups, 1, 1).expand(-1, -1, q_len, -1).reshape(1, n_kv_heads, -1, 1)
+        probs = softmax_with_sinks(scores, column)
+    out = torch.matmul(probs.to(v.dtype), v)  # [B, Hkv, G*T, Dv]
     return out.view(bsz, n_kv_heads, groups, q_len, v_head_dim).permute(0, 3, 1, 2, 4).reshape(bsz, q_len, n_heads, v_head_dim)
 
 
 class SDPA(nn.Module):
-    """Interface: `forward(q, k, v, q_pos [T], k_pos [S], mask=None) -> [B, T, H, D]`.
+    """Interface: `forward(q, k, v, q_pos [T], k_pos [S], mask=None, sinks=None) -> [B, T, H, D]`.
 
-    `k_pos` holds the absolute position of every key slot (-1 for an empty slot).
+    `k_pos` holds the absolute position of every key slot (-1 for an empty slot). `sinks [H]` are the block's
+    sink logits (the block owns them, as it owns its projections); `supports_sinks` says whether a form takes them.
     """
+
+    supports_sinks: bool = True
 
     def __init__(self, scale: float, softcap: float | None = None, sliding_window: int | None = None) -> None:
         super().__init__()
@@ -73,27 +98,29 @@ class SDPA(nn.Module):
 class DynamicSDPA(SDPA):
     """Plain-torch attention whose mask comes from positions: works for any cache and any T."""
 
-    def forward(self, q, k, v, q_pos, k_pos, mask=None):
+    def forward(self, q, k, v, q_pos, k_pos, mask=None, sinks=None):
         if mask is None:
             mask = allowed_keys(q_pos, k_pos, self.sliding_window)
-        return attention_math(q, k, v, mask, self.scale, self.softcap)
+        return attention_math(q, k, v, mask, self.scale, self.softcap, sinks)
 
 
 class StaticSDPA(SDPA):
     """Attention over a fixed-size cache with an additive `[T, S]` mask supplied by the caller."""
 
-    def forward(self, q, k, v, q_pos, k_pos, mask=None):
+    def forward(self, q, k, v, q_pos, k_pos, mask=None, sinks=None):
         if mask is None:
             raise ValueError("StaticSDPA needs the caller's additive mask `[T, S]`; got mask=None")
-        return attention_math(q, k, v, mask, self.scale, self.softcap)
+        return attention_math(q, k, v, mask, self.scale, self.softcap, sinks)
 
 
 class CustomSDPA(SDPA):
     """`llama::custom_sdpa`: causal attention over a positional cache, GQA native, offset by the start position.
 
     It reads keys `[0, start + T)` of the cache, so it needs a positional (not ring) cache, equal q/k/v head
-    dims, and no softcap or sliding window.
+    dims, and no softcap, sliding window or sinks.
     """
+
+    supports_sinks = False
 
     def __init__(self, scale: float, softcap: float | None = None, sliding_window: int | None = None) -> None:
         if softcap is not None or sliding_window is not None:
@@ -104,7 +131,9 @@ class CustomSDPA(SDPA):
         super().__init__(scale)
         load_llama_custom_ops()
 
-    def forward(self, q, k, v, q_pos, k_pos, mask=None):
+    def forward(self, q, k, v, q_pos, k_pos, mask=None, sinks=None):
+        if sinks is not None:
+            raise ValueError("CustomSDPA cannot apply attention sinks; use DynamicSDPA or StaticSDPA")
         start = q_pos[0].item()
         torch._check(start >= 0)
         torch._check(start + q.shape[1] <= k.shape[1])  # the kernel aborts the process past the cache

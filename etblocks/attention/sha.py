@@ -14,9 +14,9 @@ from torch import nn
 
 from etblocks.attention.conv import Conv2dLinear
 from etblocks.attention.masks import additive_mask
-from etblocks.attention.mha import Attention
+from etblocks.attention.mha import Attention, check_sinks
 from etblocks.attention.rope import RotaryEmbedding, rotate_half
-from etblocks.attention.sdpa import SDPA
+from etblocks.attention.sdpa import SDPA, softmax_with_sinks
 from etblocks.kv_cache.io import IOKVCache
 
 RotaryTables = tuple[torch.Tensor, torch.Tensor]
@@ -68,7 +68,8 @@ class SingleHeadAttention(nn.Module):
 
     `q_heads`, `k_heads`, `v_heads` map `[B, T, D] -> [B, T, Dh]`; `o_proj` maps the concatenated heads
     `[B, T, H*Dh] -> [B, T, D]`. `q_norm` / `k_norm` are shared by all heads. Scale and softcap come from
-    `sdpa`. Subclasses change one step by overriding `project_head`, `rotate_head` or `attend_head`.
+    `sdpa`; optional `sinks [H]` give head h the sink logit `sinks[h]`. Subclasses change one step by
+    overriding `project_head`, `rotate_head` or `attend_head`.
     """
 
     def __init__(
@@ -85,10 +86,12 @@ class SingleHeadAttention(nn.Module):
         rope: RotaryEmbedding | None = None,
         q_norm: nn.Module | None = None,
         k_norm: nn.Module | None = None,
+        sinks: nn.Parameter | None = None,
     ) -> None:
         super().__init__()
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+        check_sinks(sinks, n_heads, sdpa)
         if (len(q_heads), len(k_heads), len(v_heads)) != (n_heads, n_kv_heads, n_kv_heads):
             raise ValueError(
                 f"need {n_heads} q_heads and {n_kv_heads} k_heads and v_heads; "
@@ -107,11 +110,12 @@ class SingleHeadAttention(nn.Module):
         self.o_proj = o_proj
         self.rope = rope
         self.q_norm, self.k_norm = q_norm, k_norm
+        self.register_parameter("sinks", sinks)
 
     @classmethod
     def from_attention(cls, attn: Attention, conv2d: bool = False) -> SingleHeadAttention:
         """The same attention as `attn`, split per head. Head weights are views of `attn`'s (no copy); norms,
-        rope, SDPA and cache are `attn`'s own modules. `conv2d=True` makes every projection a `Conv2dLinear`."""
+        rope, SDPA, cache and sinks are `attn`'s own. `conv2d=True` makes every projection a `Conv2dLinear`."""
         if (attn.q_norm is not None or attn.k_norm is not None) and attn.qk_norm_layout != "head":
             raise ValueError(
                 f"qk_norm_layout={attn.qk_norm_layout!r} is not supported: SingleHeadAttention needs per-head "
@@ -130,7 +134,7 @@ class SingleHeadAttention(nn.Module):
         o_proj = Conv2dLinear.from_linear(_as_linear(attn.o_proj, "o_proj")) if conv2d else attn.o_proj
         return cls(
             heads, kv_heads, dh, attn.sdpa, attn.kv_cache, q_heads, k_heads, v_heads, o_proj,
-            rope=attn.rope, q_norm=attn.q_norm, k_norm=attn.k_norm,
+            rope=attn.rope, q_norm=attn.q_norm, k_norm=attn.k_norm, sinks=attn.sinks,
         )
 
     def project_head(self, proj: nn.Module, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
@@ -152,13 +156,16 @@ class SingleHeadAttention(nn.Module):
             return x
         return apply_rotary_3d(x, *tables)
 
-    def attend_head(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """`q [B, T, Dh]` over `k, v [B, S, Dh]` with the additive `mask [T, S]` -> `[B, T, Dh]`."""
+    def attend_head(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`q [B, T, Dh]` over `k, v [B, S, Dh]` with the additive `mask [T, S]` and the head's scalar `sink`
+        logit (if any) -> `[B, T, Dh]`."""
         # bmm, not matmul: matmul decomposes into expands that XNNPACK leaves on CPU.
         scores = torch.bmm(q, k.transpose(1, 2)) * self.sdpa.scale  # [B, T, S]
         if self.sdpa.softcap is not None:
             scores = torch.tanh(scores / self.sdpa.softcap) * self.sdpa.softcap
-        probs = torch.softmax((scores + mask).float(), dim=-1).to(v.dtype)
+        probs = softmax_with_sinks(scores + mask, sink).to(v.dtype)
         return torch.bmm(probs, v)
 
     def forward(
@@ -195,7 +202,9 @@ class SingleHeadAttention(nn.Module):
         heads = []
         for h, proj in enumerate(self.q_heads):
             q = self.rotate_head(self.project_head(proj, x, self.q_norm), tables)
-            heads.append(self.attend_head(q, keys[h // groups], values[h // groups], mask))
+            args = (q, keys[h // groups], values[h // groups], mask)
+            # No sink argument without sinks: `attend_head` overrides written for (q, k, v, mask) keep working.
+            heads.append(self.attend_head(*args) if self.sinks is None else self.attend_head(*args, self.sinks[h]))
         y = self.o_proj(torch.cat(heads, dim=-1))
         if kv is None:
             return y

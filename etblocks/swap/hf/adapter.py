@@ -16,10 +16,13 @@ class HFCall:
     `cache` argument is ignored, and the absolute positions come from `position_ids` (`[1, T]`), which the HF
     decoder layers pass down. `position_embeddings` are the `(cos, sin)` the HF model computed for this layer,
     so every rope variant the model knows is reproduced exactly. `use_rope=False` marks a layer without
-    rotation (SmolLM3's NoPE layers).
+    rotation (SmolLM3's NoPE layers). `half_rope_tables=True` marks tables of `Dh/2` frequencies (GPT-OSS
+    rotates the halves `(x1, x2)` to `(x1 cos - x2 sin, x2 cos + x1 sin)`): that is rotate-half with the tables
+    doubled to the `cat(f, f)` layout the blocks take.
     """
 
     use_rope: bool = True
+    half_rope_tables: bool = False
 
     def forward(
         self,
@@ -37,6 +40,8 @@ class HFCall:
         if position_ids.shape[0] != 1:
             raise ValueError(f"etblocks caches hold one sequence; got position_ids of shape {tuple(position_ids.shape)}")
         rope = position_embeddings if self.use_rope else None
+        if rope is not None and self.half_rope_tables:
+            rope = tuple(torch.cat((t, t), dim=-1) for t in rope)
         if isinstance(self.kv_cache, IOKVCache):
             k_cache, v_cache, mask = self.kv_cache.bound()
             y, k_new, v_new = super().forward(hidden_states, position_ids[0], rope, kv=(k_cache, v_cache), mask=mask)

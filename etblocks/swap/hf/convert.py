@@ -21,6 +21,8 @@ class HFAttentionLayout:
     qk_norm: None, or "head" (norm over head_dim, before rope), "full" (over the whole projection width) or
         "heads_first" (a norm that expects `[B, H, T, D]`).
     window_in_config: the family reads `config.sliding_window` for every layer instead of a per-module attribute.
+    sinks_attr: the per-head sink logits `[H]` (GPT-OSS), kept by the block under the same name.
+    half_rope_tables: the model passes `(cos, sin)` as `[..., Dh/2]` frequency tables (GPT-OSS).
     """
 
     qkv: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
@@ -30,6 +32,8 @@ class HFAttentionLayout:
     k_norm: str = "k_norm"
     softcap_attr: str | None = None
     window_in_config: bool = False
+    sinks_attr: str | None = None
+    half_rope_tables: bool = False
 
 
 def sliding_window_of(module: nn.Module, layout: HFAttentionLayout) -> int | None:
@@ -61,8 +65,11 @@ def build_attention(
     if window is not None and window >= ctx.max_seq_len:
         window = None  # the window never binds within this context: a full cache is both exact and smaller
     softcap = getattr(module, layout.softcap_attr) if layout.softcap_attr else None
+    sinks = getattr(module, layout.sinks_attr) if layout.sinks_attr else None
     weight = (qkv_proj if qkv_proj is not None else q_proj).weight
-    sdpa, cache = _sdpa_and_cache(module.scaling, softcap, window, n_kv_heads, head_dim, weight.dtype, ctx)
+    sdpa, cache = _sdpa_and_cache(
+        module.scaling, softcap, window, sinks is not None, n_kv_heads, head_dim, weight.dtype, ctx
+    )
     block = HFAttention(
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
@@ -77,15 +84,19 @@ def build_attention(
         q_norm=getattr(module, layout.q_norm) if layout.qk_norm else None,
         k_norm=getattr(module, layout.k_norm) if layout.qk_norm else None,
         qk_norm_layout=layout.qk_norm or "head",
+        sinks=sinks,
     )
     if ctx.recipe.attention == "sha":
         block = HFSingleHeadAttention.from_attention(block, conv2d=ctx.recipe.linear == "conv2d")
     block.layer_idx = getattr(module, "layer_idx", None)
     block.use_rope = bool(getattr(module, "use_rope", True))
+    block.half_rope_tables = layout.half_rope_tables
     return block.to(weight.device)
 
 
-def _sdpa_and_cache(scale, softcap, window, n_kv_heads, head_dim, dtype, ctx: SwapContext) -> tuple[SDPA, nn.Module]:
+def _sdpa_and_cache(
+    scale, softcap, window, has_sinks: bool, n_kv_heads, head_dim, dtype, ctx: SwapContext
+) -> tuple[SDPA, nn.Module]:
     recipe = ctx.recipe
     if recipe.cache == "io":  # the program's caller owns the caches: a window only shortens the mask it gives
         return StaticSDPA(scale, softcap, window), IOKVCache(n_kv_heads, head_dim)
@@ -95,6 +106,6 @@ def _sdpa_and_cache(scale, softcap, window, n_kv_heads, head_dim, dtype, ctx: Sw
     cache = StaticKVCache(
         ctx.max_batch_size, ctx.max_seq_len, n_kv_heads, head_dim, dtype, use_custom_op=recipe.cache_update == "custom"
     )
-    if recipe.sdpa == "custom" and softcap is None:
+    if recipe.sdpa == "custom" and softcap is None and not has_sinks:
         return CustomSDPA(scale), cache
     return DynamicSDPA(scale, softcap), cache
