@@ -1,7 +1,8 @@
 """The `etblocks` command: `export`, `run` and `backends`.
 
     etblocks export --model demo|PATH --backend xnnpack --out model.pte --max-seq-len 256 [--no-verify]
-                    [--sdpa custom|dynamic|static] [--shapes static --chunk 32] [--quantize 16a8w|16a4w|8a8w|none]
+                    [--sdpa custom|dynamic|static] [--shapes static --chunk 32] [--moe dense|gather]
+                    [--quantize 16a8w|16a4w|8a8w|none]
                     [--check] [--calibration prompts.txt] [--config file.yaml]
     etblocks run --pte model.pte (--prompt-ids 1,2,3 | --prompt TEXT --tokenizer tokenizer.json)
                  --max-new-tokens 32 [--temperature T --top-p P --seed S] [--config file.yaml]
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--sdpa", help="attention kernel: custom (llama::custom_sdpa), dynamic or static (plain torch); default: the recipe's")
     export.add_argument("--shapes", help="dynamic (one forward, T dynamic) or static (prefill + decode, fixed shapes); default: the recipe's")
     export.add_argument("--chunk", type=int, metavar="N", help="tokens per prefill call of a static program (default: 32)")
+    export.add_argument("--moe", help="MoE experts: gather (only each token's top-k) or dense (every expert, no indexing); default: the recipe's")
     export.add_argument("--quantize", help="QnnQuantizer precision of a static program: 16a8w, 16a4w, 8a8w or none (default: the recipe's)")
     export.add_argument(
         "--calibration",
@@ -119,7 +121,7 @@ def _options(command: str, args: argparse.Namespace, names: list[str]) -> Resolv
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    names = ["model", "backend", "out", "max_seq_len", "verify", "sdpa", "shapes", "chunk", "quantize", "check", "calibration"]
+    names = ["model", "backend", "out", "max_seq_len", "verify", "sdpa", "shapes", "chunk", "moe", "quantize", "check", "calibration"]
     options = _options("export", args, names)
     say = _progress()
     model_name = options["model"]
@@ -181,7 +183,7 @@ def _check_backend(options: Resolved, lower: bool = True) -> tuple[str, dict, An
             partitioners_for(backend)  # typed errors now rather than after minutes of work
     except ConfigError as exc:
         raise ConfigError(f"{options.where('backend')}: {exc}") from None
-    overrides = {key: options[key] for key in ("sdpa", "shapes", "chunk") if options[key] is not None}
+    overrides = {key: options[key] for key in ("sdpa", "shapes", "chunk", "moe") if options[key] is not None}
     try:
         recipe = resolve_recipe(backend, **overrides)
     except ConfigError as exc:

@@ -10,6 +10,7 @@ verify: true
 sdpa: custom           # or dynamic / static; omit for the backend recipe's choice
 shapes: static         # static prefill + decode program (NPU backends have it by default)
 chunk: 32              # the prefill method's fixed token count (static programs)
+moe: gather            # MoE experts: gather (top-k only) or dense (every expert); omit for the recipe's choice
 quantize: 16a8w        # QnnQuantizer precision for static programs, or none; default: the recipe's
 check: false           # qnn: print the readiness report instead of lowering (no Qualcomm SDK needed)
 calibration: prompts.txt  # quantization calibration: one prompt of comma-separated token ids per line
@@ -148,6 +149,7 @@ OPTIONS: dict[str, Option] = {
         Option("sdpa", "--sdpa", ("export",), _choice("custom", "dynamic", "static")),
         Option("shapes", "--shapes", ("export",), _choice("dynamic", "static")),
         Option("chunk", "--chunk", ("export",), _int_at_least(2)),
+        Option("moe", "--moe", ("export",), _choice("dense", "gather")),
         Option("quantize", "--quantize", ("export",), _choice("none", "16a8w", "16a4w", "8a8w")),
         Option("check", "--check", ("export",), _bool),
         Option("calibration", "--calibration", ("export",), _path),

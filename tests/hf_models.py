@@ -30,6 +30,9 @@ MLA = dict(
     first_k_dense_replace=2,
 )
 
+# Routed experts: 8 experts, top-2, small experts so the MoE families stay tiny.
+MOE = dict(num_experts_per_tok=2)
+
 # name -> (model_type, overrides). Each entry exercises what that family adds over llama.
 FAMILIES: dict[str, tuple[str, dict]] = {
     "llama": ("llama", {}),
@@ -68,7 +71,8 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     ),
     "stablelm": ("stablelm", dict(qk_layernorm=True, use_parallel_residual=True)),
     "exaone4": ("exaone4", dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])),
-    # MLA, dense layers only (no MoE yet). V3: low-rank queries, interleaved YaRN rope with mscale != 1.
+    # MLA. V2 with dense layers only. V3: low-rank queries, interleaved YaRN rope with mscale != 1, one dense
+    # layer then a MoE layer (sigmoid router over 2 groups choosing 1, routed scaling, a shared expert).
     "deepseek_v2": ("deepseek_v2", dict(q_lora_rank=None, **MLA)),
     "deepseek_v3": (
         "deepseek_v3",
@@ -78,10 +82,30 @@ FAMILIES: dict[str, tuple[str, dict]] = {
                 rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=32,
                 mscale=0.707, mscale_all_dim=1.0, beta_fast=32, beta_slow=1,
             ),
-            **MLA,
+            **{**MLA, "first_k_dense_replace": 1},
+            n_routed_experts=8, moe_intermediate_size=32, n_group=2, topk_group=1, n_shared_experts=1,
+            routed_scaling_factor=2.5, norm_topk_prob=True, **MOE,
+        ),
+    ),
+    # MoE: softmax top-k renormalised (mixtral, qwen3_moe) or not (olmoe, qwen2_moe with a gated shared expert);
+    # GPT-OSS: router bias, clamped SwiGLU experts with biases, attention sinks, a sliding and a full layer.
+    "mixtral": ("mixtral", dict(num_local_experts=8, intermediate_size=64, **MOE)),
+    "qwen2_moe": (
+        "qwen2_moe",
+        dict(num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48, qkv_bias=True, **MOE),
+    ),
+    "qwen3_moe": ("qwen3_moe", dict(num_experts=8, moe_intermediate_size=32, norm_topk_prob=True, **MOE)),
+    "olmoe": ("olmoe", dict(num_experts=8, intermediate_size=32, **MOE)),
+    "gpt_oss": (
+        "gpt_oss",
+        dict(
+            num_local_experts=8, intermediate_size=32, sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"], **MOE,
         ),
     ),
 }
+
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
 
 # Families with no registered converter that the structural fallback handles.
 FALLBACK_FAMILIES: dict[str, tuple[str, dict]] = {

@@ -246,6 +246,12 @@ def test_bad_sdpa_exits_2(capsys):
     assert "sdpa='flash'" in capsys.readouterr().err
 
 
+def test_bad_moe_strategy_exits_2(capsys):
+    assert main(["export", "--model", "demo", "--moe", "sparse"]) == 2
+    err = capsys.readouterr().err
+    assert "moe='sparse'" in err and "['dense', 'gather']" in err
+
+
 def test_model_not_set_exits_2(capsys):
     assert main(["export"]) == 2
     assert "model is not set" in capsys.readouterr().err

@@ -169,6 +169,7 @@ def test_chunk_larger_than_context():
         ("qnn", dict(cache="inplace"), r"attention='sha' is a static block"),
         ("openvino", dict(linear="conv2d"), r"linear='conv2d' applies to the per-head projections of attention='sha'"),
         ("qnn", dict(quantize="4a4w"), r"quantize='4a4w' is not accepted; choose one of \[None, '16a8w', '16a4w', '8a8w'\]"),
+        ("xnnpack", dict(moe="sparse"), r"moe='sparse' is not accepted; choose one of \['dense', 'gather'\]"),
     ],
 )
 def test_recipe_option_the_backend_does_not_support(backend, options, message):
@@ -247,4 +248,42 @@ def test_mla_configs_it_cannot_serve():
     snapshot = _snapshot(model)
     with pytest.raises(UnsupportedModelError, match=r"DeepseekV3Attention.*MLA has no single-head form"):
         etblocks.swap(model, backend="qnn", max_seq_len=32, chunk=8)
+    _assert_untouched(model, snapshot)
+
+
+def _moe_model(name: str):
+    return original_and_copy(*FAMILIES[name][:1], **FAMILIES[name][1])[1]
+
+
+def test_moe_configs_it_cannot_serve():
+    """A router asking for more experts than exist, and OLMoE's q/k/v clamping: refused, nothing swapped."""
+    model = _moe_model("qwen3_moe")
+    model.model.layers[1].mlp.gate.top_k = 9
+    snapshot = _snapshot(model)
+    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.1\.mlp \(Qwen3MoeSparseMoeBlock\).*top_k=9 must be in 1\.\.8"):
+        etblocks.swap(model, backend="xnnpack", max_seq_len=32)
+    _assert_untouched(model, snapshot)
+
+    model = _moe_model("olmoe")
+    model.config.clip_qkv = 8.0
+    snapshot = _snapshot(model)
+    with pytest.raises(UnsupportedModelError, match=r"OlmoeAttention.*clip_qkv=8\.0 .* is not supported; accepted: None"):
+        etblocks.swap(model, backend="xnnpack", max_seq_len=32)
+    _assert_untouched(model, snapshot)
+
+
+def test_moe_probe_catches_a_block_that_computes_something_else():
+    """A subclass inherits its parent's converter; if it computes differently, the probe names it."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    class ScaledMoe(Qwen3MoeSparseMoeBlock):
+        def forward(self, hidden_states):
+            return 2 * super().forward(hidden_states)
+
+    model = _moe_model("qwen3_moe")
+    for layer in model.model.layers:
+        layer.mlp.__class__ = ScaledMoe
+    snapshot = _snapshot(model)
+    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.0\.mlp \(ScaledMoe\) does not match"):
+        etblocks.swap(model, backend="xnnpack", max_seq_len=32)
     _assert_untouched(model, snapshot)

@@ -1,4 +1,5 @@
-"""`swap()`: replace a model's attention with etblocks blocks, in place, after checking every replacement."""
+"""`swap()`: replace a model's attention (and MoE blocks) with etblocks blocks, in place, after checking every
+replacement."""
 
 from __future__ import annotations
 
@@ -41,10 +42,12 @@ def swap(
     verify: bool = True,
     **recipe_overrides,
 ) -> nn.Module:
-    """Replace every attention module of a transformers causal LM with an etblocks block, in place.
+    """Replace every attention module of a transformers causal LM with an etblocks block, in place, and every
+    module with a registered replacement (MoE blocks, DeepSeek-V2's complex rotary table).
 
-    The backend's recipe (see `etblocks.swap.recipes`) picks attention, SDPA, cache and shapes; keyword
-    arguments override single choices (`sdpa="dynamic"`, `shapes="static", chunk=32`). NPU backends (qnn,
+    The backend's recipe (see `etblocks.swap.recipes`) picks attention, SDPA, cache, shapes and the MoE
+    strategy; keyword arguments override single choices (`sdpa="dynamic"`, `shapes="static", chunk=32`,
+    `moe="dense"`). NPU backends (qnn,
     coreml, openvino, vulkan) get the static contract: fixed-shape `prefill` and `decode` with caller-owned
     caches. Every module is converted and, unless `verify=False`, compared with its original on a probe input
     before anything is changed: on any failure the model is left untouched and `UnsupportedModelError` (or
@@ -69,10 +72,13 @@ def swap(
             f"{type(model).__name__} has no `self_attn` modules to swap; supported attention classes: {ATTENTION.supported()}"
         )
     replacements = [(name, _convert(name, module, ctx)) for name, module in targets]
-    others = [(name, converter(module, ctx)) for name, module in model.named_modules() if (converter := MODULES.lookup(module))]
+    others = [(name, module) for name, module in model.named_modules() if MODULES.lookup(module)]
+    replacements += [(name, _call_converter(MODULES.lookup(module), name, module, ctx)) for name, module in others]
     if verify:
-        _verify(model, targets, replacements, max_seq_len)
-    _commit(model, replacements + others, recipe)
+        checked = targets + [(name, module) for name, module in others if MODULES.same_output(module)]
+        by_name = dict(replacements)
+        _verify(model, [(name, original, by_name[name]) for name, original in checked], max_seq_len)
+    _commit(model, replacements, recipe)
     model.etblocks_swap = SwapInfo(recipe, max_seq_len, tuple(name for name, _ in targets))
     return model
 
@@ -125,32 +131,37 @@ def _convert(name: str, module: nn.Module, ctx: SwapContext) -> nn.Module:
                 f"supported attention classes: {ATTENTION.supported()}. Register one with @etblocks.register."
             )
         return build_attention(module, layout, ctx)
+    return _call_converter(converter, name, module, ctx)
+
+
+def _call_converter(converter, name: str, module: nn.Module, ctx: SwapContext) -> nn.Module:
     try:
         return converter(module, ctx)
     except (AttributeError, ValueError, TypeError) as exc:
         raise UnsupportedModelError(f"converting {name} ({type(module).__name__}) failed: {exc}") from exc
 
 
-def _verify(model: nn.Module, targets, replacements, max_seq_len: int) -> None:
+def _verify(model: nn.Module, pairs: list[tuple[str, nn.Module, nn.Module]], max_seq_len: int) -> None:
     """Each replacement must reproduce its original's output on the inputs the original saw in a probe run."""
-    windows = [w for _, new in replacements if (w := block_sliding_window(new))]
+    windows = [w for _, _, new in pairs if (w := block_sliding_window(new))]
     probe_len = min(max([PROBE_LEN] + [w + 4 for w in windows]), max_seq_len)
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model.config.vocab_size, (1, probe_len), generator=generator)
     was_training = model.training
     model.eval()
     try:
-        calls = hf.capture_attention_calls(model, [m for _, m in targets], tokens)
+        calls = hf.capture_calls(model, [original for _, original, _ in pairs], tokens)
     finally:
         model.train(was_training)
     with torch.no_grad():
-        for (name, original), (_, new) in zip(targets, replacements):
+        for name, original, new in pairs:
             if id(original) not in calls:
                 raise UnsupportedModelError(f"{name} ({type(original).__name__}) was not called in a forward pass")
             args, kwargs, expected = calls[id(original)]
             try:
                 _bind_empty_io_cache(new, kwargs.get("position_ids"))
-                actual = new(*args, **kwargs)[0]
+                actual = new(*args, **kwargs)
+                actual = actual[0] if isinstance(actual, tuple) else actual
             except Exception as exc:  # any failure of the replacement on real inputs means "cannot swap"
                 raise UnsupportedModelError(
                     f"{name} ({type(original).__name__}): the etblocks block failed on the probe input: {exc}"

@@ -22,13 +22,15 @@ class Recipe:
         "static" exports `prefill` (T = `chunk`) and `decode` (T = 1) with fixed shapes.
     cache: "inplace" keeps the caches in the program as mutable buffers; "io" makes them program inputs and the
         new rows outputs (static only: NPUs hold no state between calls).
-    sdpa: "custom" uses `llama::custom_sdpa` where a layer allows it (no softcap, no window), "dynamic" is plain
+    sdpa: "custom" uses `llama::custom_sdpa` where a layer allows it (no softcap, window or sinks), "dynamic" is plain
         torch masked from positions, "static" is plain torch with the caller's mask (the "io" cache's partner).
     cache_update: "custom" writes in-place caches with `llama::update_cache`, "index_copy" with `index_copy_`.
     attention: "mha" keeps heads in one tensor; "sha" computes each head on its own (Qualcomm HTP).
     linear: "conv2d" turns the attention projections into 1x1 convolutions (HTP's fastest matmul).
     partition: "hybrid" delegates only the fixed-shape projections and MLP and keeps attention with its in-place
         cache on CPU (static shapes, "inplace" cache).
+    moe: "gather" runs only each token's top-k experts (decode cost flat in the number of experts; CPUs);
+        "dense" runs every expert weighted by the router (no indexing; NPUs and fixed-shape compilers).
     quantize: what `export` to this backend quantizes with unless told otherwise (QnnQuantizer precisions).
     dtype: the floating dtype of the swapped model and its caches.
     """
@@ -42,6 +44,7 @@ class Recipe:
     attention: Literal["mha", "sha"] = "mha"
     linear: Literal["linear", "conv2d"] = "linear"
     partition: Literal["all", "hybrid"] = "all"
+    moe: Literal["dense", "gather"] = "gather"
     quantize: str | None = None
     dtype: torch.dtype = torch.float32
 
@@ -55,10 +58,10 @@ _NPU = dict(shapes="static", cache="io", sdpa="static")
 RECIPES: dict[str, Recipe] = {
     "xnnpack": Recipe(backend="xnnpack", sdpa="custom", cache_update="custom"),
     "portable": Recipe(backend="portable", sdpa="dynamic"),
-    "openvino": Recipe(backend="openvino", **_NPU),
-    "coreml": Recipe(backend="coreml", **_NPU),
-    "vulkan": Recipe(backend="vulkan", **_NPU),
-    "qnn": Recipe(backend="qnn", attention="sha", linear="conv2d", quantize="16a8w", **_NPU),
+    "openvino": Recipe(backend="openvino", moe="dense", **_NPU),
+    "coreml": Recipe(backend="coreml", moe="dense", **_NPU),
+    "vulkan": Recipe(backend="vulkan", moe="dense", **_NPU),
+    "qnn": Recipe(backend="qnn", attention="sha", linear="conv2d", moe="dense", quantize="16a8w", **_NPU),
 }
 
 _CHOICES = {
@@ -69,6 +72,7 @@ _CHOICES = {
     "attention": ("mha", "sha"),
     "linear": ("linear", "conv2d"),
     "partition": ("all", "hybrid"),
+    "moe": ("dense", "gather"),
     "quantize": (None, *QUANTIZE_QNN),
 }
 

@@ -27,13 +27,20 @@ class Registry:
 
     def __init__(self) -> None:
         self._converters: dict[type, Converter] = {}
+        self._different_output: set[type] = set()
 
-    def register(self, *upstream: type) -> Callable[[Converter], Converter]:
-        """Decorator: `@registry.register(LlamaAttention)` makes the function the converter for that class."""
+    def register(self, *upstream: type, same_output: bool = True) -> Callable[[Converter], Converter]:
+        """Decorator: `@registry.register(LlamaAttention)` makes the function the converter for that class.
+
+        `same_output=False` marks a replacement that returns another representation of its original's result
+        (a real rotary table for a complex one), so `swap` checks it through its consumers instead of directly.
+        """
 
         def decorate(converter: Converter) -> Converter:
             for cls in upstream:
                 self._converters[cls] = converter
+                if not same_output:
+                    self._different_output.add(cls)
             return converter
 
         return decorate
@@ -43,6 +50,9 @@ class Registry:
             if cls in self._converters:
                 return self._converters[cls]
         return None
+
+    def same_output(self, module: nn.Module) -> bool:
+        return not any(cls in self._different_output for cls in type(module).__mro__)
 
     def supported(self) -> list[str]:
         return sorted(cls.__name__ for cls in self._converters)

@@ -92,4 +92,4 @@ def register_mla_families() -> None:
             continue
         ATTENTION.register(getattr(module, class_name))(convert_mla)
         if model_type == "deepseek_v2":
-            MODULES.register(module.DeepseekV2RotaryEmbedding)(lambda upstream, ctx: RealRotaryEmbedding(upstream))
+            MODULES.register(module.DeepseekV2RotaryEmbedding, same_output=False)(lambda upstream, ctx: RealRotaryEmbedding(upstream))

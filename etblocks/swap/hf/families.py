@@ -1,7 +1,8 @@
 """transformers families with a registered converter: one layout line each.
 
-Decoder layers, MLPs and norms stay upstream; only attention is replaced. A family is listed here once its
-parity (eager logits and exported greedy tokens against upstream `generate`) is tested.
+Decoder layers, dense MLPs and norms stay upstream; attention is replaced here, MLA in `deepseek.py`, MoE blocks
+in `moe.py`. A family is listed here once its parity (eager logits and exported greedy tokens against upstream
+`generate`) is tested.
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ FAMILIES: dict[str, tuple[str, HFAttentionLayout]] = {
     "granite": ("GraniteAttention", STANDARD),
     "stablelm": ("StableLmAttention", STANDARD),
     "exaone4": ("Exaone4Attention", HEAD_NORM),
+    # Sinks, biases, per-layer `sliding_window` (None on full layers), half-width rope tables.
+    "gpt_oss": ("GptOssAttention", HFAttentionLayout(sinks_attr="sinks", half_rope_tables=True)),
+    "mixtral": ("MixtralAttention", HFAttentionLayout(window_in_config=True)),
+    "qwen2_moe": ("Qwen2MoeAttention", STANDARD),
+    "qwen3_moe": ("Qwen3MoeAttention", HEAD_NORM),
+    "olmoe": ("OlmoeAttention", HFAttentionLayout(qk_norm="full", window_in_config=True)),
 }
 
 # StableLM's optional per-head LayerNorms expect `[B, H, T, D]`.
@@ -48,7 +55,13 @@ def _stablelm(module: nn.Module, ctx: SwapContext) -> nn.Module:
     return build_attention(module, STABLELM_QK_NORM if module.qk_layernorm else STANDARD, ctx)
 
 
-SPECIAL_CONVERTERS = {"exaone4": _exaone4, "stablelm": _stablelm}
+def _olmoe(module: nn.Module, ctx: SwapContext) -> nn.Module:
+    if module.config.clip_qkv is not None:
+        raise ValueError(f"config.clip_qkv={module.config.clip_qkv} (clamping q/k/v) is not supported; accepted: None")
+    return build_attention(module, FAMILIES["olmoe"][1], ctx)
+
+
+SPECIAL_CONVERTERS = {"exaone4": _exaone4, "stablelm": _stablelm, "olmoe": _olmoe}
 
 
 def _converter(layout: HFAttentionLayout):
@@ -61,8 +74,10 @@ def _converter(layout: HFAttentionLayout):
 def register_families() -> None:
     """Register every family whose transformers module imports here (a missing one is simply not offered)."""
     from etblocks.swap.hf.deepseek import register_mla_families
+    from etblocks.swap.hf.moe import register_moe_families
 
     register_mla_families()
+    register_moe_families()
     for model_type, (class_name, layout) in FAMILIES.items():
         try:
             module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")

@@ -52,7 +52,7 @@ def skip_hf_masks(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def capture_attention_calls(model: nn.Module, modules: list[nn.Module], tokens: torch.Tensor) -> dict[int, tuple]:
+def capture_calls(model: nn.Module, modules: list[nn.Module], tokens: torch.Tensor) -> dict[int, tuple]:
     """Run the untouched model once and record `(args, kwargs, output)` of each listed module, keyed by id."""
     calls: dict[int, tuple] = {}
 

@@ -1,0 +1,123 @@
+"""Routers: which `k` experts each token goes to, and with what weight. Static shapes throughout.
+
+Each router gives the top-k form, `forward(x) -> (weights [N, k], indices [N, k])`, for the gather strategy, and
+the dense form, `dense_weights(x) -> [N, E]` (zero outside the top-k), for the dense strategy. The dense form
+uses no index tensors at all (thresholds from repeated `amax`, no `topk`/`scatter`; `where`, not `~mask`): NPUs
+such as Qualcomm HTP hold no int64 tensors and QNN has no bitwise-not. Exact ties at the k-th score admit every tied expert there; `topk` would pick one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def kth_largest(values: torch.Tensor, k: int) -> torch.Tensor:
+    """The k-th largest of `values [..., E]` along the last dim, `[..., 1]`, without `topk` (no index output)."""
+    for _ in range(k - 1):
+        values = values.masked_fill(values >= values.amax(dim=-1, keepdim=True), float("-inf"))
+    return values.amax(dim=-1, keepdim=True)
+
+
+class TopKRouter(nn.Module):
+    """Softmax top-k (Mixtral, Qwen2/3-MoE, OLMoE, GPT-OSS): `x [N, D] -> (weights [N, k], indices [N, k])`.
+
+    With `renormalize`, the weights are a softmax over the top-k logits only: it equals "softmax over all
+    experts, take the top-k, divide by their sum" (Mixtral, `norm_topk_prob`) and is GPT-OSS's own form, and it
+    skips the softmax over all experts. Weights come back in fp32, as upstream computes them.
+    """
+
+    def __init__(self, weight: nn.Parameter, top_k: int, *, bias: nn.Parameter | None = None, renormalize: bool) -> None:
+        super().__init__()
+        if not 1 <= top_k <= weight.shape[0]:
+            raise ValueError(f"top_k={top_k} must be in 1..{weight.shape[0]} (the number of experts)")
+        self.weight = weight  # [E, D]
+        self.bias = bias  # [E] or None
+        self.top_k = top_k
+        self.renormalize = renormalize
+
+    @property
+    def n_experts(self) -> int:
+        return self.weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight, self.bias)
+        if self.renormalize:
+            top, indices = logits.topk(self.top_k, dim=-1)
+            return torch.softmax(top.float(), dim=-1), indices
+        weights, indices = torch.softmax(logits.float(), dim=-1).topk(self.top_k, dim=-1)
+        return weights, indices
+
+    def dense_weights(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, self.weight, self.bias).float()
+        chosen = logits >= kth_largest(logits, self.top_k)
+        if self.renormalize:
+            return torch.softmax(torch.where(chosen, logits, float("-inf")), dim=-1)
+        return torch.softmax(logits, dim=-1) * chosen
+
+
+class GroupedTopKRouter(nn.Module):
+    """DeepSeek-V3's router: sigmoid scores in fp32; experts are chosen on `score + e_score_correction_bias`
+    within the `topk_group` best of `n_group` groups (a group scores the sum of its best two), weighted by the
+    plain scores, optionally renormalised, then scaled by `routed_scaling_factor`.
+
+    `x [N, D] -> (weights fp32 [N, k], indices [N, k])`.
+    """
+
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        e_score_correction_bias: torch.Tensor,
+        top_k: int,
+        *,
+        n_group: int,
+        topk_group: int,
+        renormalize: bool,
+        routed_scaling_factor: float,
+    ) -> None:
+        super().__init__()
+        n_experts = weight.shape[0]
+        if n_experts % n_group or not 1 <= topk_group <= n_group:
+            raise ValueError(f"n_group={n_group}, topk_group={topk_group} do not split {n_experts} experts into groups")
+        if not 1 <= top_k <= n_experts // n_group * topk_group:
+            raise ValueError(f"top_k={top_k} must be in 1..{n_experts // n_group * topk_group} (experts in the chosen groups)")
+        self.weight = weight  # [E, D]
+        self.register_buffer("e_score_correction_bias", e_score_correction_bias)  # [E]
+        self.top_k = top_k
+        self.n_group = n_group
+        self.topk_group = topk_group
+        self.renormalize = renormalize
+        self.routed_scaling_factor = routed_scaling_factor
+
+    @property
+    def n_experts(self) -> int:
+        return self.weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores, choice = self._scores(x)
+        indices = choice.topk(self.top_k, dim=-1).indices
+        return self._finish(scores.gather(1, indices)), indices
+
+    def dense_weights(self, x: torch.Tensor) -> torch.Tensor:
+        scores, choice = self._scores(x)
+        return self._finish(scores * (choice >= kth_largest(choice, self.top_k)))
+
+    def _scores(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sigmoid scores `[N, E]` and the biased scores experts are chosen on, `-inf` outside the chosen groups."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        if self.n_group == 1:
+            return scores, choice
+        n, per_group = x.shape[0], self.n_experts // self.n_group
+        grouped = choice.view(n, self.n_group, per_group)
+        best_two = grouped.amax(dim=-1)
+        if per_group > 1:
+            best_two = best_two + kth_largest(grouped, 2)[..., 0]
+        in_chosen = best_two >= kth_largest(best_two, self.topk_group)  # [N, G]
+        return scores, torch.where(in_chosen[..., None], grouped, float("-inf")).view(n, self.n_experts)
+
+    def _finish(self, weights: torch.Tensor) -> torch.Tensor:
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor

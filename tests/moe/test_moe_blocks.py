@@ -1,0 +1,211 @@
+"""MoE blocks against transformers' own routers and MoE blocks (fp32, atol 1e-5), for both strategies, and what
+each strategy leaves on CPU after XNNPACK lowering."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+from executorch.exir import to_edge_transform_and_lower
+from transformers import AutoConfig
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek_v3
+from transformers.models.gpt_oss import modeling_gpt_oss as gpt_oss
+from transformers.models.mixtral import modeling_mixtral as mixtral
+from transformers.models.olmoe import modeling_olmoe as olmoe
+from transformers.models.qwen2_moe import modeling_qwen2_moe as qwen2_moe
+from transformers.models.qwen3_moe import modeling_qwen3_moe as qwen3_moe
+
+from etblocks.export.delegation import summarize
+from etblocks.moe import DenseExperts, GatherExperts, GroupedTopKRouter, MoE, SwiGLU, TopKRouter
+from etblocks.moe.router import kth_largest
+from etblocks.swap.hf.moe import MOE_FAMILIES
+from etblocks.swap.recipes import resolve_recipe
+from etblocks.swap.registry import SwapContext
+
+ATOL = 1e-5
+D, E, K = 32, 8, 2
+STRATEGIES = ("dense", "gather")
+
+# model_type -> (upstream MoE class, config overrides)
+UPSTREAM = {
+    "mixtral": (mixtral.MixtralSparseMoeBlock, dict(num_local_experts=E, intermediate_size=24)),
+    "qwen2_moe": (
+        qwen2_moe.Qwen2MoeSparseMoeBlock,
+        dict(num_experts=E, moe_intermediate_size=24, shared_expert_intermediate_size=40, norm_topk_prob=False),
+    ),
+    "qwen3_moe": (qwen3_moe.Qwen3MoeSparseMoeBlock, dict(num_experts=E, moe_intermediate_size=24, norm_topk_prob=True)),
+    "olmoe": (olmoe.OlmoeSparseMoeBlock, dict(num_experts=E, intermediate_size=24)),
+    "deepseek_v3": (
+        deepseek_v3.DeepseekV3MoE,
+        dict(n_routed_experts=E, moe_intermediate_size=24, n_group=4, topk_group=2, n_shared_experts=2, routed_scaling_factor=2.5),
+    ),
+    "gpt_oss": (gpt_oss.GptOssMLP, dict(num_local_experts=E, intermediate_size=24)),
+}
+
+
+def upstream_moe(model_type: str, seed: int = 0) -> torch.nn.Module:
+    """A transformers MoE block with every parameter and buffer random (std 0.5), so routing and biases matter."""
+    cls, overrides = UPSTREAM[model_type]
+    config = AutoConfig.for_model(model_type, hidden_size=D, num_experts_per_tok=K, **overrides)
+    torch.manual_seed(seed)
+    module = cls(config).eval()
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            tensor.normal_(0, 0.5)
+    return module
+
+
+def convert(module: torch.nn.Module, model_type: str, strategy: str) -> MoE:
+    ctx = SwapContext(recipe=resolve_recipe("xnnpack", moe=strategy), max_seq_len=64)
+    return MOE_FAMILIES[model_type][1](copy.deepcopy(module), ctx)
+
+
+def first(output):
+    return output[0] if isinstance(output, tuple) else output
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("model_type", sorted(UPSTREAM))
+def test_moe_matches_upstream(model_type, strategy):
+    upstream = upstream_moe(model_type)
+    block = convert(upstream, model_type, strategy)
+    assert isinstance(block.experts, DenseExperts if strategy == "dense" else GatherExperts)
+    x = torch.randn(2, 7, D)
+    with torch.no_grad():
+        expected, actual = first(upstream(x)), first(block(x))
+    assert actual.shape == expected.shape
+    assert (actual - expected).abs().max().item() <= ATOL * max(1.0, expected.abs().max().item())
+
+
+def _dense(router_output) -> torch.Tensor:
+    """Top-k `(weights, indices)` as `[N, E]`: independent of the order topk returns them in."""
+    weights, indices = router_output
+    return torch.zeros(indices.shape[0], E).scatter(1, indices, weights.float())
+
+
+@pytest.mark.parametrize(
+    "upstream_cls, model_type, renormalize",
+    [
+        (mixtral.MixtralTopKRouter, "mixtral", True),
+        (qwen2_moe.Qwen2MoeTopKRouter, "qwen2_moe", False),
+        (gpt_oss.GptOssTopKRouter, "gpt_oss", True),
+    ],
+)
+def test_softmax_router_matches_upstream(upstream_cls, model_type, renormalize):
+    config = AutoConfig.for_model(model_type, hidden_size=D, num_experts_per_tok=K, num_local_experts=E, num_experts=E)
+    torch.manual_seed(1)
+    upstream = upstream_cls(config)
+    with torch.no_grad():
+        for p in upstream.parameters():
+            p.normal_(0, 0.5)
+    router = TopKRouter(upstream.weight, K, bias=getattr(upstream, "bias", None), renormalize=renormalize)
+    x = torch.randn(16, D)
+    with torch.no_grad():
+        _, weights, indices = upstream(x)
+        expected = _dense((weights, indices))
+        actual = _dense(router(x))
+        dense = router.dense_weights(x)
+    for form in (actual, dense):
+        assert torch.equal(form > 0, expected > 0)  # the same experts
+        assert (form - expected).abs().max().item() <= ATOL
+    if renormalize:
+        assert torch.allclose(actual.sum(-1), torch.ones(16))
+
+
+def test_grouped_router_matches_upstream_and_keeps_to_chosen_groups():
+    config = AutoConfig.for_model(
+        "deepseek_v3", hidden_size=D, n_routed_experts=E, num_experts_per_tok=K, n_group=4, topk_group=2, routed_scaling_factor=2.5
+    )
+    torch.manual_seed(2)
+    upstream = deepseek_v3.DeepseekV3TopkRouter(config)
+    with torch.no_grad():
+        upstream.weight.normal_(0, 0.5)
+        upstream.e_score_correction_bias.normal_(0, 1.0)  # large enough to change choices
+    router = GroupedTopKRouter(
+        upstream.weight, upstream.e_score_correction_bias, K, n_group=4, topk_group=2, renormalize=True, routed_scaling_factor=2.5
+    )
+    x = torch.randn(32, D)
+    with torch.no_grad():
+        _, weights, indices = upstream(x)
+        expected, actual, dense = _dense((weights, indices)), _dense(router(x)), router.dense_weights(x)
+        plain = torch.sigmoid(x @ upstream.weight.T).topk(K).indices
+    for form in (actual, dense):
+        assert torch.equal(form > 0, expected > 0)
+        assert (form - expected).abs().max().item() <= ATOL
+    assert not torch.equal(torch.sort(plain).values, torch.sort(router(x)[1]).values), "bias and groups never mattered"
+
+
+def test_gather_reads_only_the_chosen_experts():
+    """Changing an expert no token chose leaves the output as it was; changing a chosen one does not."""
+    torch.manual_seed(3)
+    gate, up, down = torch.randn(E, 16, D), torch.randn(E, 16, D), torch.randn(E, D, 16)
+    experts = GatherExperts.from_weights(gate, up, down)
+    x, weights = torch.randn(4, D), torch.rand(4, K)
+    indices = torch.tensor([[0, 1], [1, 2], [2, 0], [0, 2]])
+    before = experts(x, weights, indices)
+    with torch.no_grad():
+        experts.down_proj[5].fill_(100.0)
+        untouched = experts(x, weights, indices)
+        experts.down_proj[1].fill_(100.0)
+        touched = experts(x, weights, indices)
+    assert torch.equal(untouched, before)
+    assert not torch.allclose(touched, before)
+
+
+def test_strategies_agree_on_the_same_weights():
+    torch.manual_seed(4)
+    tensors = dict(gate=torch.randn(E, 16, D), up=torch.randn(E, 16, D), down=torch.randn(E, D, 16))
+    biases = dict(gate_bias=torch.randn(E, 16), up_bias=torch.randn(E, 16), down_bias=torch.randn(E, D))
+    x, weights = torch.randn(5, D), torch.rand(5, K)
+    indices = torch.stack([torch.randperm(E)[:K] for _ in range(5)])
+    for extra in ({}, biases):
+        dense = DenseExperts.from_weights(**tensors, **extra)(x, _dense((weights, indices)))
+        gather = GatherExperts.from_weights(**tensors, **extra)(x, weights, indices)
+        assert (dense - gather).abs().max().item() <= ATOL * dense.abs().max().item()
+
+
+def test_kth_largest_equals_topk():
+    values = torch.randn(6, 3, E)
+    for k in (1, 2, 5, E):
+        assert torch.equal(kth_largest(values, k), values.topk(k, dim=-1).values[..., -1:])
+
+
+def _lowered_cpu_ops(block: MoE, tokens: int) -> dict:
+    program = torch.export.export(block, (torch.randn(1, tokens, D),))
+    lowered = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])
+    return summarize(lowered.exported_program().graph_module)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_xnnpack_takes_every_expert_matmul(strategy):
+    """Dense: no index tensors at all (HTP holds no int64). Gather: top-k and the weight gathers stay on CPU."""
+    for model_type in ("qwen2_moe", "deepseek_v3"):
+        block = convert(upstream_moe(model_type), model_type, strategy)
+        summary = _lowered_cpu_ops(block, tokens=4)
+        assert summary.ops_per_delegate["XnnpackBackend"] > 0
+        assert not any(op in summary.cpu_ops for op in ("aten.mm", "aten.bmm", "aten.addmm", "aten.linear"))
+        indexing = {op for op in summary.cpu_ops if op in ("aten.index.Tensor", "aten.gather", "aten.topk")}
+        if strategy == "dense":
+            assert indexing == set(), model_type
+        else:
+            assert {"aten.index.Tensor", "aten.topk"} <= indexing, model_type
+
+
+def test_bad_blocks_are_refused():
+    weight = torch.nn.Parameter(torch.randn(E, D))
+    with pytest.raises(ValueError, match="top_k=9"):
+        TopKRouter(weight, 9, renormalize=True)
+    with pytest.raises(ValueError, match="n_group=3"):
+        GroupedTopKRouter(weight, torch.zeros(E), K, n_group=3, topk_group=1, renormalize=True, routed_scaling_factor=1.0)
+    with pytest.raises(ValueError, match="top_k=5"):
+        GroupedTopKRouter(weight, torch.zeros(E), 5, n_group=4, topk_group=2, renormalize=True, routed_scaling_factor=1.0)
+    with pytest.raises(ValueError, match="expert shapes"):
+        DenseExperts.from_weights(torch.randn(E, 16, D), torch.randn(E, 16, D), torch.randn(E, 16, D))
+    with pytest.raises(ValueError, match="together"):
+        GatherExperts.from_weights(torch.randn(E, 16, D), torch.randn(E, 16, D), torch.randn(E, D, 16), gate_bias=torch.randn(E, 16))
+    with pytest.raises(ValueError, match="shared_expert_gate"):
+        MoE(TopKRouter(weight, K, renormalize=True), GatherExperts.from_weights(
+            torch.randn(E, 16, D), torch.randn(E, 16, D), torch.randn(E, D, 16), activation=SwiGLU()),
+            shared_expert_gate=torch.nn.Linear(D, 1))

@@ -1,0 +1,72 @@
+"""MoE models exported with each strategy, under the dynamic and the static contract, against untouched
+transformers `generate` (32 greedy tokens). The gather strategy on XNNPACK's dynamic program is covered for
+every family by tests/swap/test_hf_families.py; here: dense on the dynamic program, both on static ones."""
+
+from __future__ import annotations
+
+import pytest
+from hf_models import FAMILIES, MOE_FAMILIES, hf_greedy, original_and_copy, prompt_ids
+
+import etblocks
+from etblocks.moe import DenseExperts, GatherExperts, MoE
+from etblocks.swap.recipes import RECIPES
+
+NEW_TOKENS = 32
+CONTEXT = 64
+PROMPT_LENGTHS = (16, 13, 5, 17)  # a multiple of the chunk, a padded tail, less than a chunk, a one-token tail
+
+
+def swapped_pair(name: str, backend: str, **options):
+    model_type, overrides = FAMILIES[name]
+    original, swapped = original_and_copy(model_type, **overrides)
+    etblocks.swap(swapped, backend=backend, max_seq_len=CONTEXT, **options)
+    return original, swapped
+
+
+def strategies(model) -> set[str]:
+    return {m.experts.strategy for m in model.modules() if isinstance(m, MoE)}
+
+
+@pytest.mark.parametrize("backend", sorted(RECIPES))
+def test_recipe_picks_the_strategy_and_options_override_it(backend):
+    _, swapped = swapped_pair("qwen3_moe", backend, chunk=8) if RECIPES[backend].static else swapped_pair("qwen3_moe", backend)
+    assert strategies(swapped) == {"dense" if backend in ("qnn", "coreml", "vulkan", "openvino") else "gather"}
+    other = "gather" if RECIPES[backend].moe == "dense" else "dense"
+    _, overridden = swapped_pair("mixtral", "xnnpack", moe=other)
+    assert strategies(overridden) == {other}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MOE_FAMILIES)
+def test_dense_strategy_dynamic_program_matches_hf_generate(name, tmp_path):
+    original, swapped = swapped_pair(name, "xnnpack", moe="dense")
+    assert all(isinstance(m.experts, DenseExperts) for m in swapped.modules() if isinstance(m, MoE))
+    result = etblocks.export(swapped, backend="xnnpack", out=tmp_path / f"{name}.pte")
+    assert "aten.index.Tensor" not in result.delegation.cpu_ops  # dense never indexes weights
+    prompt = prompt_ids(12)
+    expected = hf_greedy(original, prompt, NEW_TOKENS)
+    assert len(set(expected)) > 4, "degenerate reference: the test would not tell models apart"
+    assert etblocks.Runner(result.path).generate(prompt[0].tolist(), max_new_tokens=NEW_TOKENS) == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name, backend, options, experts",
+    [
+        ("mixtral", "openvino", {}, DenseExperts),
+        ("qwen2_moe", "xnnpack", dict(shapes="static"), GatherExperts),
+        ("gpt_oss", "portable", dict(shapes="static", moe="dense"), DenseExperts),
+        ("olmoe", "portable", dict(shapes="static"), GatherExperts),
+    ],
+)
+def test_static_program_matches_hf_generate(name, backend, options, experts, tmp_path):
+    original, swapped = swapped_pair(name, backend, chunk=8, **options)
+    assert all(isinstance(m.experts, experts) for m in swapped.modules() if isinstance(m, MoE))
+    result = etblocks.export(swapped, backend=backend, out=tmp_path / f"{name}.pte")
+    runner = etblocks.Runner(result.path)
+    assert runner.contract.chunk == 8
+    for length in PROMPT_LENGTHS:
+        prompt = prompt_ids(length)
+        runner.reset()
+        expected = hf_greedy(original, prompt, NEW_TOKENS)
+        assert runner.generate(prompt[0].tolist(), max_new_tokens=NEW_TOKENS) == expected, f"{name} prompt {length}"
