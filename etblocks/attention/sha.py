@@ -159,8 +159,8 @@ class SingleHeadAttention(nn.Module):
     def attend_head(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """`q [B, T, Dh]` over `k, v [B, S, Dh]` with the additive `mask [T, S]` and the head's scalar `sink`
-        logit (if any) -> `[B, T, Dh]`."""
+        """`q [B, T, Dh]` over `k, v [B, S, Dh]` with the additive `mask [T, S]` and the head's `sink [1]` logit
+        (if any) -> `[B, T, Dh]`."""
         # bmm, not matmul: matmul decomposes into expands that XNNPACK leaves on CPU.
         scores = torch.bmm(q, k.transpose(1, 2)) * self.sdpa.scale  # [B, T, S]
         if self.sdpa.softcap is not None:
@@ -204,7 +204,8 @@ class SingleHeadAttention(nn.Module):
             q = self.rotate_head(self.project_head(proj, x, self.q_norm), tables)
             args = (q, keys[h // groups], values[h // groups], mask)
             # No sink argument without sinks: `attend_head` overrides written for (q, k, v, mask) keep working.
-            heads.append(self.attend_head(*args) if self.sinks is None else self.attend_head(*args, self.sinks[h]))
+            # A `[1]` slice, not a 0-d `sinks[h]`: QNN's export passes break on the expanded 0-d constant.
+            heads.append(self.attend_head(*args) if self.sinks is None else self.attend_head(*args, self.sinks[h : h + 1]))
         y = self.o_proj(torch.cat(heads, dim=-1))
         if kv is None:
             return y

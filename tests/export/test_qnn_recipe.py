@@ -29,7 +29,7 @@ def swap_qnn(name: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("name", ["llama", "gemma3_text", "gpt_oss"])  # gpt_oss: SHA with sinks, dense MoE
 def test_quantized_qnn_program_is_fully_covered(name):
     _, swapped = swap_qnn(name)
     report = check_qnn(swapped)  # 16a8w, the recipe's default
