@@ -169,16 +169,20 @@ def load_method(path: Path, name: str = "forward") -> Any:
     return method
 
 
-def lower_to_xnnpack(exported: Any, path: Path, **to_executorch_kwargs: Any) -> None:
-    """Lower an ExportedProgram to XNNPACK and write the .pte."""
+def lower_to_xnnpack(exported: Any, path: Path, inspect: Callable[[Any], Any] | None = None,
+                     **to_executorch_kwargs: Any) -> Any:
+    """Lower an ExportedProgram to XNNPACK and write the .pte. `inspect`, when given, is called with the lowered
+    EdgeProgramManager before `to_executorch` (which rewrites its graphs in place), and its result is returned
+    (e.g. `lambda edge: summarize(edge.exported_program().graph_module)`)."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
 
-    program = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()]).to_executorch(
-        **to_executorch_kwargs
-    )
+    edge = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])
+    inspected = inspect(edge) if inspect is not None else None
+    program = edge.to_executorch(**to_executorch_kwargs)
     with open(path, "wb") as f:
         program.write_to_file(f)
+    return inspected
 
 
 def warm_up(driver: Driver, bench: Bench) -> None:

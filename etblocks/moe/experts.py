@@ -152,15 +152,21 @@ class GatherExperts(Experts):
             self.gate_bias, self.up_bias, self.down_bias = (_parameter(b) for b in (gate_bias, up_bias, down_bias))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        gate = torch.einsum("nd,nkid->nki", x, self.gate_proj[indices])
-        up = torch.einsum("nd,nkid->nki", x, self.up_proj[indices])
+        n, k = indices.shape
+        # One row per (token, slot), `m = N * k`, and a flat index: ExecuTorch's portable `index.Tensor` copies
+        # rows ~30x faster with a 1-D index than with `[N, k]`, and the gathered weights need no reshape.
+        flat = indices.reshape(-1)
+        rows = x[:, None].expand(n, k, x.shape[-1]).reshape(n * k, x.shape[-1])
+        gate = torch.einsum("md,mid->mi", rows, self.gate_proj[flat])
+        up = torch.einsum("md,mid->mi", rows, self.up_proj[flat])
         if self.gate_bias is not None:
-            gate = gate + self.gate_bias[indices]
-            up = up + self.up_bias[indices]
+            gate = gate + self.gate_bias[flat]
+            up = up + self.up_bias[flat]
         hidden = self.activation(gate, up)
-        out = torch.einsum("nki,nkdi->nkd", hidden, self.down_proj[indices])
+        out = torch.einsum("mi,mdi->md", hidden, self.down_proj[flat])
         if self.down_bias is not None:
-            out = out + self.down_bias[indices]
+            out = out + self.down_bias[flat]
+        out = out.view(n, k, -1)
         return (out * weights[..., None]).sum(dim=1).to(x.dtype)
 
 
