@@ -144,7 +144,7 @@ def _export_methods(model, backend, max_seq_len, bos_id, eos_ids, vocab_size, qu
         if quantize not in (None, "auto"):
             raise ConfigError(f"quantize={quantize!r} applies to static programs; swap with shapes='static' (or backend='qnn')")
         program = dynamic_program(model, max_seq_len, bos_id=bos_id, eos_ids=eos_ids, vocab_size=vocab_size)
-        say(f"exporting with torch.export (T dynamic in 1..{program.max_seq_len})")
+        say(f"exporting with torch.export (T dynamic in 1..{program.max_call_len}, context {program.max_seq_len})")
         return program, {"forward": _torch_export(program.module, program.example_inputs(), program.dynamic_shapes())}, None
     quantize = _static_quantize(info.recipe, backend, quantize)
     calibration = None if calibration is None else [list(prompt) for prompt in calibration]

@@ -12,9 +12,11 @@ from etblocks.errors import ConfigError
 from etblocks.export.contract import CONTRACT_METHOD, CacheGroup, LayerCache, StaticContract
 from etblocks.kv_cache.base import find_caches
 from etblocks.kv_cache.io import IOKVCache
+from etblocks.moe import GatherExperts
 from etblocks.swap import set_max_seq_len
 from etblocks.swap.hf.model import is_hf_causal_lm
 from etblocks.swap.hf.program import HFDecoderProgram, HFStaticProgram, hf_token_metadata
+from etblocks.swap.recipes import Recipe
 
 # What masked entries of a quantized program's masks hold: -inf has no quantized form (Qualcomm's examples use
 # the same value); float programs use -inf.
@@ -23,7 +25,9 @@ QUANTIZED_MASK_VALUE = -255.0
 
 @dataclass(frozen=True)
 class DynamicProgram:
-    """`forward(tokens int64 [1, T], input_pos int64 [1]) -> logits [1, V]` with 1 <= T <= max_seq_len.
+    """`forward(tokens int64 [1, T], input_pos int64 [1]) -> logits [1, V]` with 1 <= T <= max_call_len, over a
+    context of max_seq_len positions (ExecuTorch's `get_max_seq_len` / `get_max_context_len`; runners feed longer
+    prompts in calls of at most max_call_len tokens).
 
     `metadata` becomes the constant methods ExecuTorch's LLM runner reads.
     """
@@ -31,12 +35,13 @@ class DynamicProgram:
     module: nn.Module
     max_seq_len: int
     metadata: dict
+    max_call_len: int
 
     def example_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, dtype=torch.long)
 
     def dynamic_shapes(self):
-        return ({1: torch.export.Dim("seq_len", min=1, max=self.max_seq_len)}, None)
+        return ({1: torch.export.Dim("seq_len", min=1, max=self.max_call_len)}, None)
 
 
 def dynamic_program(
@@ -47,7 +52,12 @@ def dynamic_program(
     vocab_size: int | None = None,
 ) -> DynamicProgram:
     """Wrap a swapped HF model, or take a model built from etblocks blocks as it is. `max_seq_len` (default:
-    the caches' length) resizes the caches."""
+    the caches' length) resizes the caches.
+
+    A call takes up to the whole context, except in a model with `GatherExperts`: each call gathers
+    `[T * k, I, D]` expert weights and the memory plan is sized for the longest call, so calls are capped at
+    the swap's `chunk` (32 unless `swap(..., chunk=N)` says otherwise).
+    """
     hf_model = is_hf_causal_lm(model)
     if hf_model:
         _swap_info(model)
@@ -67,7 +77,10 @@ def dynamic_program(
     _override_tokens(tokens, bos_id, eos_ids)
     if tokens["vocab_size"] is None:
         raise ConfigError("vocab_size=None: give vocab_size= for a model that is not a transformers model")
-    return DynamicProgram(module, max_seq_len, _llm_runner_metadata(max_seq_len, tokens))
+    call_len = max_seq_len
+    if any(isinstance(m, GatherExperts) for m in model.modules()):
+        call_len = min(model.etblocks_swap.recipe.chunk if hf_model else Recipe.chunk, max_seq_len)
+    return DynamicProgram(module, max_seq_len, _llm_runner_metadata(max_seq_len, tokens, call_len=call_len), call_len)
 
 
 @dataclass(frozen=True)
@@ -151,9 +164,9 @@ def _swap_info(model: nn.Module):
     return info
 
 
-def _llm_runner_metadata(max_seq_len: int, tokens: dict, dynamic: bool = True) -> dict:
+def _llm_runner_metadata(max_seq_len: int, tokens: dict, dynamic: bool = True, call_len: int | None = None) -> dict:
     metadata = {
-        "get_max_seq_len": max_seq_len,
+        "get_max_seq_len": call_len or max_seq_len,
         "get_max_context_len": max_seq_len,
         "get_vocab_size": tokens["vocab_size"],
         "get_n_layers": tokens["n_layers"],

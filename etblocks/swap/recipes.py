@@ -19,7 +19,8 @@ class Recipe:
     """What `swap(model, backend=...)` builds and what `export` does with it.
 
     shapes: "dynamic" exports `forward(tokens[1, T], input_pos[1])` with T dynamic and caches as mutable buffers;
-        "static" exports `prefill` (T = `chunk`) and `decode` (T = 1) with fixed shapes.
+        "static" exports `prefill` (T = `chunk`) and `decode` (T = 1) with fixed shapes. A dynamic program with
+        gather MoE experts takes at most `chunk` tokens per call (its gathered weights grow with T).
     cache: "inplace" keeps the caches in the program as mutable buffers; "io" makes them program inputs and the
         new rows outputs (static only: NPUs hold no state between calls).
     sdpa: "custom" uses `llama::custom_sdpa` where a layer allows it (no softcap, window or sinks), "dynamic" is plain

@@ -50,6 +50,20 @@ def test_dense_strategy_dynamic_program_matches_hf_generate(name, tmp_path):
 
 
 @pytest.mark.slow
+def test_gather_dynamic_program_caps_tokens_per_call(tmp_path):
+    """Gathered weights scale with the tokens of a call, so a gather program takes at most `chunk` per call; the
+    runner feeds a longer prompt in several calls and still generates HF's tokens. Dense programs take the context."""
+    original, swapped = swapped_pair("qwen3_moe", "xnnpack", chunk=8)
+    result = etblocks.export(swapped, backend="xnnpack", out=tmp_path / "gather.pte")
+    assert (result.metadata["get_max_seq_len"], result.metadata["get_max_context_len"]) == (8, CONTEXT)
+    prompt = prompt_ids(21)
+    expected = hf_greedy(original, prompt, NEW_TOKENS)
+    assert etblocks.Runner(result.path).generate(prompt[0].tolist(), max_new_tokens=NEW_TOKENS) == expected
+    _, dense = swapped_pair("qwen3_moe", "xnnpack", chunk=8, moe="dense")
+    assert etblocks.export(dense, backend="xnnpack", out=tmp_path / "dense.pte").metadata["get_max_seq_len"] == CONTEXT
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, backend, options, experts",
     [
