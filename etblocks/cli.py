@@ -154,7 +154,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     etblocks.swap(model, backend=backend, max_seq_len=max_seq_len, verify=verify, **overrides)
     swap_seconds = time.perf_counter() - start
     info = model.etblocks_swap
-    say(f"swapped {len(info.converted)} attention modules (sdpa={info.recipe.sdpa}, max_seq_len={info.max_seq_len})")
+    from etblocks.moe import MoE
+
+    moe_blocks = sum(isinstance(m, MoE) for m in model.modules())
+    moe = f" and {moe_blocks} MoE blocks (moe={info.recipe.moe})" if moe_blocks else ""
+    say(f"swapped {len(info.converted)} attention modules{moe} (sdpa={info.recipe.sdpa}, max_seq_len={info.max_seq_len})")
 
     if check:
         from etblocks.export.driver import check_qnn

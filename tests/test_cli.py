@@ -246,6 +246,23 @@ def test_bad_sdpa_exits_2(capsys):
     assert "sdpa='flash'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
+def test_export_moe_checkpoint_with_the_dense_strategy(tmp_path, capsys):
+    from hf_models import FAMILIES, tiny_model
+    from transformers import AutoModelForCausalLM
+
+    from etblocks.export import Runner
+
+    checkpoint = tmp_path / "tiny-mixtral"
+    tiny_model(*FAMILIES["mixtral"][:1], **FAMILIES["mixtral"][1]).save_pretrained(checkpoint)
+    out = tmp_path / "mixtral.pte"
+    code = main(["export", "--model", str(checkpoint), "--out", str(out), "--max-seq-len", str(MAX_SEQ_LEN), "--moe", "dense"])
+    assert code == 0
+    assert "2 MoE blocks (moe=dense)" in capsys.readouterr().out
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, local_files_only=True).eval()
+    assert Runner(out).generate(PROMPT, max_new_tokens=8) == hf_greedy(reference, PROMPT, 8)
+
+
 def test_bad_moe_strategy_exits_2(capsys):
     assert main(["export", "--model", "demo", "--moe", "sparse"]) == 2
     err = capsys.readouterr().err
