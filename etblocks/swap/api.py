@@ -47,11 +47,10 @@ def swap(
 
     The backend's recipe (see `etblocks.swap.recipes`) picks attention, SDPA, cache, shapes and the MoE
     strategy; keyword arguments override single choices (`sdpa="dynamic"`, `shapes="static", chunk=32`,
-    `moe="dense"`). NPU backends (qnn,
-    coreml, openvino, vulkan) get the static contract: fixed-shape `prefill` and `decode` with caller-owned
-    caches. Every module is converted and, unless `verify=False`, compared with its original on a probe input
-    before anything is changed: on any failure the model is left untouched and `UnsupportedModelError` (or
-    `ConfigError` for options) says which module and why.
+    `moe="dense"`). NPU backends (qnn, coreml, openvino, vulkan) get the static contract: fixed-shape `prefill`
+    and `decode` with caller-owned caches. Every module is converted and, unless `verify=False`, compared with
+    its original on a probe input before anything is changed: on any failure the model is left untouched and
+    `UnsupportedModelError` (or `ConfigError` for options) says which module and why.
     """
     recipe = resolve_recipe(backend, **recipe_overrides)
     if getattr(model, "etblocks_swap", None) is not None:
