@@ -71,9 +71,17 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     ),
     "stablelm": ("stablelm", dict(qk_layernorm=True, use_parallel_residual=True)),
     "exaone4": ("exaone4", dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])),
-    # MLA. V2 with dense layers only. V3: low-rank queries, interleaved YaRN rope with mscale != 1, one dense
-    # layer then a MoE layer (sigmoid router over 2 groups choosing 1, routed scaling, a shared expert).
-    "deepseek_v2": ("deepseek_v2", dict(q_lora_rank=None, **MLA)),
+    # MLA, one dense layer then a MoE layer with a shared expert. V2: softmax router limited to the best of 2
+    # groups by max score, routed scaling. V3: low-rank queries, interleaved YaRN rope with mscale != 1, sigmoid
+    # router over 2 groups choosing 1 by their best two, renormalised and scaled.
+    "deepseek_v2": (
+        "deepseek_v2",
+        dict(
+            q_lora_rank=None, **{**MLA, "first_k_dense_replace": 1},
+            n_routed_experts=8, moe_intermediate_size=32, n_group=2, topk_group=1, n_shared_experts=1,
+            topk_method="group_limited_greedy", routed_scaling_factor=1.5, **MOE,
+        ),
+    ),
     "deepseek_v3": (
         "deepseek_v3",
         dict(
@@ -105,7 +113,7 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     ),
 }
 
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss")
 
 # Families with no registered converter that the structural fallback handles.
 FALLBACK_FAMILIES: dict[str, tuple[str, dict]] = {

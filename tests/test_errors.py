@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from hf_models import FAMILIES, original_and_copy, prompt_ids, tiny_model
@@ -287,3 +289,27 @@ def test_moe_probe_catches_a_block_that_computes_something_else():
     with pytest.raises(UnsupportedModelError, match=r"model\.layers\.0\.mlp \(ScaledMoe\) does not match"):
         etblocks.swap(model, backend="xnnpack", max_seq_len=32)
     _assert_untouched(model, snapshot)
+
+
+@pytest.mark.slow
+def test_moe_family_without_converter_is_refused_until_its_experts_export(tmp_path):
+    """HunYuan-MoE has no MoE converter: its default experts kernel does not export, so swap refuses it by name
+    and says how out; with transformers' `batched_mm` kernel the swapped model exports and generates HF's tokens."""
+    from hf_models import hf_greedy
+
+    model = tiny_model("hunyuan_v1_moe", num_experts=8, moe_topk=2, num_experts_per_tok=2, moe_intermediate_size=32)
+    snapshot = _snapshot(model)
+    with pytest.raises(
+        UnsupportedModelError,
+        match=r"model\.layers\.0\.mlp\.experts \(HunYuanMoEV1Experts\) is a transformers MoE experts module with no "
+        r"etblocks converter, and experts_implementation='grouped_mm' does not export.*set_experts_implementation\('batched_mm'\)",
+    ):
+        etblocks.swap(model, backend="xnnpack", max_seq_len=32)
+    _assert_untouched(model, snapshot)
+
+    model.set_experts_implementation("batched_mm")
+    original = copy.deepcopy(model)
+    etblocks.swap(model, backend="xnnpack", max_seq_len=32)
+    result = etblocks.export(model, backend="xnnpack", out=tmp_path / "hunyuan_moe.pte")
+    prompt = prompt_ids(12)
+    assert etblocks.Runner(result.path).generate(prompt[0].tolist(), max_new_tokens=16) == hf_greedy(original, prompt, 16)

@@ -8,6 +8,8 @@ such as Qualcomm HTP hold no int64 tensors and QNN has no bitwise-not. Exact tie
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -58,9 +60,11 @@ class TopKRouter(nn.Module):
 
 
 class GroupedTopKRouter(nn.Module):
-    """DeepSeek-V3's router: sigmoid scores in fp32; experts are chosen on `score + e_score_correction_bias`
-    within the `topk_group` best of `n_group` groups (a group scores the sum of its best two), weighted by the
-    plain scores, optionally renormalised, then scaled by `routed_scaling_factor`.
+    """DeepSeek's group-limited router, scores in fp32: `scoring="sigmoid"` (V3) or `"softmax"` (V2). Experts are
+    chosen on `score + e_score_correction_bias` (V3; None for V2) within the `topk_group` best of `n_group`
+    groups, a group scoring the sum of its best `group_top` (V3: 2; V2: 1, the max); they are weighted by the plain
+    scores, optionally renormalised, then scaled by `routed_scaling_factor`. `n_group=1` is plain top-k (V2's
+    "greedy").
 
     `x [N, D] -> (weights fp32 [N, k], indices [N, k])`.
     """
@@ -68,13 +72,15 @@ class GroupedTopKRouter(nn.Module):
     def __init__(
         self,
         weight: nn.Parameter,
-        e_score_correction_bias: torch.Tensor,
+        e_score_correction_bias: torch.Tensor | None,
         top_k: int,
         *,
         n_group: int,
         topk_group: int,
         renormalize: bool,
         routed_scaling_factor: float,
+        scoring: Literal["sigmoid", "softmax"] = "sigmoid",
+        group_top: int = 2,
     ) -> None:
         super().__init__()
         n_experts = weight.shape[0]
@@ -82,13 +88,17 @@ class GroupedTopKRouter(nn.Module):
             raise ValueError(f"n_group={n_group}, topk_group={topk_group} do not split {n_experts} experts into groups")
         if not 1 <= top_k <= n_experts // n_group * topk_group:
             raise ValueError(f"top_k={top_k} must be in 1..{n_experts // n_group * topk_group} (experts in the chosen groups)")
+        if scoring not in ("sigmoid", "softmax"):
+            raise ValueError(f"scoring={scoring!r} is not accepted; choose 'sigmoid' or 'softmax'")
         self.weight = weight  # [E, D]
-        self.register_buffer("e_score_correction_bias", e_score_correction_bias)  # [E]
+        self.register_buffer("e_score_correction_bias", e_score_correction_bias)  # [E] or None
         self.top_k = top_k
         self.n_group = n_group
         self.topk_group = topk_group
         self.renormalize = renormalize
         self.routed_scaling_factor = routed_scaling_factor
+        self.scoring = scoring
+        self.group_top = min(group_top, n_experts // n_group)
 
     @property
     def n_experts(self) -> int:
@@ -105,16 +115,17 @@ class GroupedTopKRouter(nn.Module):
 
     def _scores(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Sigmoid scores `[N, E]` and the biased scores experts are chosen on, `-inf` outside the chosen groups."""
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
-        choice = scores + self.e_score_correction_bias
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid() if self.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
+        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
         if self.n_group == 1:
             return scores, choice
         n, per_group = x.shape[0], self.n_experts // self.n_group
         grouped = choice.view(n, self.n_group, per_group)
-        best_two = grouped.amax(dim=-1)
-        if per_group > 1:
-            best_two = best_two + kth_largest(grouped, 2)[..., 0]
-        in_chosen = best_two >= kth_largest(best_two, self.topk_group)  # [N, G]
+        group_scores = grouped.amax(dim=-1)
+        for k in range(2, self.group_top + 1):
+            group_scores = group_scores + kth_largest(grouped, k)[..., 0]
+        in_chosen = group_scores >= kth_largest(group_scores, self.topk_group)  # [N, G]
         return scores, torch.where(in_chosen[..., None], grouped, float("-inf")).view(n, self.n_experts)
 
     def _finish(self, weights: torch.Tensor) -> torch.Tensor:

@@ -73,6 +73,7 @@ def swap(
     replacements = [(name, _convert(name, module, ctx)) for name, module in targets]
     others = [(name, module) for name, module in model.named_modules() if MODULES.lookup(module)]
     replacements += [(name, _call_converter(MODULES.lookup(module), name, module, ctx)) for name, module in others]
+    _check_experts(model, [name for name, _ in replacements])
     if verify:
         checked = targets + [(name, module) for name, module in others if MODULES.same_output(module)]
         by_name = dict(replacements)
@@ -138,6 +139,18 @@ def _call_converter(converter, name: str, module: nn.Module, ctx: SwapContext) -
         return converter(module, ctx)
     except (AttributeError, ValueError, TypeError) as exc:
         raise UnsupportedModelError(f"converting {name} ({type(module).__name__}) failed: {exc}") from exc
+
+
+def _check_experts(model: nn.Module, replaced: list[str]) -> None:
+    """MoE experts left upstream must export through transformers' own kernel, or the export fails much later."""
+    for name, module, implementation in hf.unexportable_experts(model, replaced)[:1]:
+        raise UnsupportedModelError(
+            f"{name} ({type(module).__name__}) is a transformers MoE experts module with no etblocks converter, and "
+            f"experts_implementation={implementation!r} does not export. MoE blocks etblocks converts: "
+            f"{[n for n in MODULES.supported() if 'Rotary' not in n]}; register a converter for its block with "
+            f"etblocks.swap.registry.MODULES.register, or call model.set_experts_implementation("
+            f"{hf.EXPORTABLE_EXPERTS[0]!r}) to export transformers' own kernel (a per-token gather of the top-k experts, with the upstream router)."
+        )
 
 
 def _verify(model: nn.Module, pairs: list[tuple[str, nn.Module, nn.Module]], max_seq_len: int) -> None:

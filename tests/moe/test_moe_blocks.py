@@ -10,6 +10,7 @@ import torch
 from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 from executorch.exir import to_edge_transform_and_lower
 from transformers import AutoConfig
+from transformers.models.deepseek_v2 import modeling_deepseek_v2 as deepseek_v2
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek_v3
 from transformers.models.gpt_oss import modeling_gpt_oss as gpt_oss
 from transformers.models.mixtral import modeling_mixtral as mixtral
@@ -37,6 +38,13 @@ UPSTREAM = {
     ),
     "qwen3_moe": (qwen3_moe.Qwen3MoeSparseMoeBlock, dict(num_experts=E, moe_intermediate_size=24, norm_topk_prob=True)),
     "olmoe": (olmoe.OlmoeSparseMoeBlock, dict(num_experts=E, intermediate_size=24)),
+    "deepseek_v2": (
+        deepseek_v2.DeepseekV2Moe,
+        dict(
+            n_routed_experts=E, moe_intermediate_size=24, n_group=4, topk_group=2, topk_method="group_limited_greedy",
+            n_shared_experts=1, routed_scaling_factor=1.5,
+        ),
+    ),
     "deepseek_v3": (
         deepseek_v3.DeepseekV3MoE,
         dict(n_routed_experts=E, moe_intermediate_size=24, n_group=4, topk_group=2, n_shared_experts=2, routed_scaling_factor=2.5),
@@ -49,6 +57,10 @@ def upstream_moe(model_type: str, seed: int = 0) -> torch.nn.Module:
     """A transformers MoE block with every parameter and buffer random (std 0.5), so routing and biases matter."""
     cls, overrides = UPSTREAM[model_type]
     config = AutoConfig.for_model(model_type, hidden_size=D, num_experts_per_tok=K, **overrides)
+    return upstream_moe_from(cls, config, seed)
+
+
+def upstream_moe_from(cls: type, config, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     module = cls(config).eval()
     with torch.no_grad():
@@ -135,6 +147,27 @@ def test_grouped_router_matches_upstream_and_keeps_to_chosen_groups():
         assert torch.equal(form > 0, expected > 0)
         assert (form - expected).abs().max().item() <= ATOL
     assert not torch.equal(torch.sort(plain).values, torch.sort(router(x)[1]).values), "bias and groups never mattered"
+
+
+@pytest.mark.parametrize("topk_method", ["greedy", "group_limited_greedy"])
+def test_deepseek_v2_router_matches_upstream(topk_method):
+    config = AutoConfig.for_model(
+        "deepseek_v2", hidden_size=D, n_routed_experts=E, num_experts_per_tok=K, n_group=4, topk_group=2,
+        topk_method=topk_method, routed_scaling_factor=1.5,
+    )
+    torch.manual_seed(5)
+    upstream = deepseek_v2.DeepseekV2TopkRouter(config)
+    with torch.no_grad():
+        upstream.weight.normal_(0, 0.5)
+    block = convert(upstream_moe_from(deepseek_v2.DeepseekV2Moe, config), "deepseek_v2", "gather")
+    block.router.weight = upstream.weight
+    x = torch.randn(32, D)
+    with torch.no_grad():
+        _, weights, indices = upstream(x)
+        expected = _dense((weights, indices))
+        for form in (_dense(block.router(x)), block.router.dense_weights(x)):
+            assert torch.equal(form > 0, expected > 0)
+            assert (form - expected).abs().max().item() <= ATOL
 
 
 def test_gather_reads_only_the_chosen_experts():

@@ -28,6 +28,26 @@ def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
+# transformers' experts kernels that export: `eager` loops over the experts a batch hit (data-dependent) and
+# `grouped_mm` does not lower.
+EXPORTABLE_EXPERTS = ("batched_mm",)
+
+
+def unexportable_experts(model: nn.Module, replaced: list[str]) -> list[tuple[str, nn.Module, str | None]]:
+    """transformers MoE experts modules (`@use_experts_implementation`) outside every replaced module, with an
+    experts implementation that does not export: `(name, module, implementation)`."""
+    found = []
+    for name, module in model.named_modules():
+        if not (hasattr(module, "is_concatenated") and hasattr(module, "has_gate") and hasattr(module, "config")):
+            continue
+        if any(name == outer or name.startswith(outer + ".") for outer in replaced):
+            continue
+        implementation = getattr(module.config, "_experts_implementation", None)
+        if implementation not in EXPORTABLE_EXPERTS:
+            found.append((name, module, implementation))
+    return found
+
+
 def max_positions(model: nn.Module) -> int | None:
     return getattr(model.config, "max_position_embeddings", None)
 

@@ -50,6 +50,27 @@ def convert_deepseek_v3_moe(module: nn.Module, ctx: SwapContext) -> MoE:
     return MoE(router, _experts(module.experts, ctx), module.shared_experts)
 
 
+def convert_deepseek_v2_moe(module: nn.Module, ctx: SwapContext) -> MoE:
+    """Softmax scores, top-k over all experts ("greedy") or within the best groups by their max expert score
+    ("group_limited_greedy"), no renormalisation, routed scaling; an ungated shared expert."""
+    gate = module.gate
+    if gate.topk_method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"topk_method={gate.topk_method!r} is not supported; accepted: 'greedy', 'group_limited_greedy'")
+    grouped = gate.topk_method == "group_limited_greedy"
+    router = GroupedTopKRouter(
+        gate.weight,
+        None,
+        gate.top_k,
+        n_group=gate.num_group if grouped else 1,
+        topk_group=gate.topk_group if grouped else 1,
+        renormalize=False,
+        routed_scaling_factor=gate.routed_scaling_factor,
+        scoring="softmax",
+        group_top=1,
+    )
+    return MoE(router, _experts(module.experts, ctx), module.shared_experts)
+
+
 def convert_gpt_oss_moe(module: nn.Module, ctx: SwapContext) -> HFMoEWithScores:
     """GPT-OSS stores experts transposed (`[E, D, 2I]`, `[E, I, D]`) with gate and up interleaved, and biases."""
     experts = module.experts
@@ -74,6 +95,7 @@ MOE_FAMILIES = {
     "qwen2_moe": ("Qwen2MoeSparseMoeBlock", convert_softmax_moe),
     "qwen3_moe": ("Qwen3MoeSparseMoeBlock", convert_softmax_moe),
     "olmoe": ("OlmoeSparseMoeBlock", convert_softmax_moe),
+    "deepseek_v2": ("DeepseekV2Moe", convert_deepseek_v2_moe),
     "deepseek_v3": ("DeepseekV3MoE", convert_deepseek_v3_moe),
     "gpt_oss": ("GptOssMLP", convert_gpt_oss_moe),
 }
