@@ -84,3 +84,17 @@ def test_static_program_matches_hf_generate(name, backend, options, experts, tmp
         runner.reset()
         expected = hf_greedy(original, prompt, NEW_TOKENS)
         assert runner.generate(prompt[0].tolist(), max_new_tokens=NEW_TOKENS) == expected, f"{name} prompt {length}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["coreml", "vulkan"])
+@pytest.mark.parametrize("name", ["gpt_oss", "deepseek_v3"])
+def test_npu_recipes_lower_the_dense_moe_whole(name, backend, tmp_path):
+    """Core ML and Vulkan (lowered here, run only on device) take each method as one partition: routers, dense
+    experts, sinks and MLA included. Vulkan leaves only the creation of the -inf scalars on CPU."""
+    _, swapped = swapped_pair(name, backend, chunk=8)
+    assert strategies(swapped) == {"dense"}
+    result = etblocks.export(swapped, backend=backend, out=tmp_path / f"{name}.pte")
+    for method, summary in result.delegations.items():
+        assert len(summary.partitions) == 1, f"{method}: {summary}"
+        assert set(summary.cpu_ops) <= {"aten.scalar_tensor"}, f"{method}: {summary}"
