@@ -3,7 +3,8 @@
 Each router gives the top-k form, `forward(x) -> (weights [N, k], indices [N, k])`, for the gather strategy, and
 the dense form, `dense_weights(x) -> [N, E]` (zero outside the top-k), for the dense strategy. The dense form
 uses no index tensors at all (thresholds from repeated `amax`, no `topk`/`scatter`; `where`, not `~mask`): NPUs
-such as Qualcomm HTP hold no int64 tensors and QNN has no bitwise-not. Exact ties at the k-th score admit every tied expert there; `topk` would pick one.
+such as Qualcomm HTP hold no int64 tensors and QNN has no bitwise-not. Exact ties at the k-th score admit every
+tied expert there; `topk` would pick one.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ class GroupedTopKRouter(nn.Module):
         return self._finish(scores * (choice >= kth_largest(choice, self.top_k)))
 
     def _scores(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sigmoid scores `[N, E]` and the biased scores experts are chosen on, `-inf` outside the chosen groups."""
+        """Scores `[N, E]` and the (biased) scores experts are chosen on, `-inf` outside the chosen groups."""
         logits = F.linear(x.float(), self.weight.float())
         scores = logits.sigmoid() if self.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
         choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
