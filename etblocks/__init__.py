@@ -1,5 +1,6 @@
 """etblocks: one model definition, every ExecuTorch backend."""
 
+from etblocks.adapters import load_adapter, set_adapter
 from etblocks.errors import (
     AdapterMismatchError,
     BackendUnavailableError,
@@ -17,6 +18,8 @@ __all__ = [
     "Runner",
     "ExportResult",
     "register",
+    "load_adapter",
+    "set_adapter",
     "EtblocksError",
     "UnsupportedModelError",
     "ConfigError",

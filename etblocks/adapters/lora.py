@@ -1,0 +1,109 @@
+"""LoRA over any linear-like module, unmerged: several named adapters over one base, one active at a time.
+
+`y = base(x) + scale * (x @ A^T) @ B^T` with `A [r, in]`, `B [out, r]`. The base is an `nn.Linear` or an
+`etblocks.attention.Conv2dLinear` (the qnn recipe's 1x1-conv projections: the LoRA path stays a pair of small
+matmuls). Keeping adapters unmerged is what lets one base serve many of them; `merge` folds the active one into
+the base weight when a single adapter is all a deployment needs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class LoRAWeights(nn.Module):
+    """One adapter of one layer: `lora_A [r, in]`, `lora_B [out, r]` and its scale (`alpha / r`, or
+    `alpha / sqrt(r)` with rsLoRA, times any user scale)."""
+
+    def __init__(self, lora_A: torch.Tensor, lora_B: torch.Tensor, scale: float) -> None:
+        super().__init__()
+        if lora_A.dim() != 2 or lora_B.dim() != 2 or lora_A.shape[0] != lora_B.shape[1]:
+            raise ValueError(f"lora_A {tuple(lora_A.shape)} and lora_B {tuple(lora_B.shape)} are not [r, in] and [out, r]")
+        self.lora_A = nn.Parameter(lora_A, requires_grad=False)
+        self.lora_B = nn.Parameter(lora_B, requires_grad=False)
+        self.scale = scale
+
+    @property
+    def rank(self) -> int:
+        return self.lora_A.shape[0]
+
+    def delta(self) -> torch.Tensor:
+        """The update to the base weight, `[out, in]`."""
+        return (self.lora_B @ self.lora_A) * self.scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.lora_A.T.to(x.dtype)) @ self.lora_B.T.to(x.dtype) * self.scale
+
+    def extra_repr(self) -> str:
+        return f"rank={self.rank}, scale={self.scale:g}"
+
+
+class LoRALinear(nn.Module):
+    """`base(x) + active_adapter(x)`; with no active adapter (`active is None`) exactly `base(x)`.
+
+    `x [..., in] -> [..., out]`. Adapters live in `adapters[name]`; `set_adapter(name | None)` switches.
+    """
+
+    def __init__(self, base: nn.Module) -> None:
+        super().__init__()
+        self.base = base
+        self.adapters = nn.ModuleDict()
+        self.active: str | None = None
+        self.merged: str | None = None
+
+    @property
+    def in_features(self) -> int:
+        return self.base.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base.out_features
+
+    def add_adapter(self, name: str, weights: LoRAWeights) -> None:
+        expected = (weights.rank, self.in_features), (self.out_features, weights.rank)
+        if (tuple(weights.lora_A.shape), tuple(weights.lora_B.shape)) != expected:
+            raise ValueError(
+                f"adapter {name!r} has lora_A {tuple(weights.lora_A.shape)} and lora_B {tuple(weights.lora_B.shape)}; "
+                f"this layer ({self.in_features} -> {self.out_features}) needs {expected[0]} and {expected[1]}"
+            )
+        self.adapters[name] = weights
+
+    def set_adapter(self, name: str | None) -> None:
+        if self.merged is not None:
+            raise ValueError(f"adapter {self.merged!r} is merged into the base; unmerge() before switching")
+        if name is not None and name not in self.adapters:
+            raise KeyError(f"no adapter {name!r} on this layer; it has {sorted(self.adapters)}")
+        self.active = name
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Fold the active adapter into the base weight (`W += scale * B @ A`); forward then runs the base only."""
+        if self.active is None or self.merged is not None:
+            return
+        self._base_weight().add_(self._delta_like_base(self.adapters[self.active]))
+        self.merged = self.active
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """Take a merged adapter back out of the base weight (exact up to float rounding)."""
+        if self.merged is None:
+            return
+        self._base_weight().sub_(self._delta_like_base(self.adapters[self.merged]))
+        self.merged = None
+
+    def _base_weight(self) -> torch.Tensor:
+        return self.base.weight
+
+    def _delta_like_base(self, weights: LoRAWeights) -> torch.Tensor:
+        weight = self._base_weight()
+        return weights.delta().to(weight.dtype).view(weight.shape)  # Conv2dLinear keeps [out, in, 1, 1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        if self.active is None or self.merged is not None:
+            return y
+        return y + self.adapters[self.active](x)
+
+    def extra_repr(self) -> str:
+        return f"adapters={sorted(self.adapters)}, active={self.active!r}, merged={self.merged!r}"

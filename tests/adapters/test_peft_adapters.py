@@ -1,0 +1,180 @@
+"""PEFT LoRA adapters loaded by etblocks against `peft.PeftModel` itself: logits with adapter A, with B, and with
+none equal PEFT's (fp32, atol 1e-5), on the untouched and the swapped model; adapters that do not fit are refused
+with the model left as it was."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from hf_models import hf_greedy, prompt_ids, tiny_model
+from peft import LoraConfig, PeftModel, get_peft_model
+
+import etblocks
+from etblocks.adapters import LoRALinear, load_adapter, set_adapter
+from etblocks.errors import AdapterMismatchError
+
+ATOL = 1e-5
+# A: rank and alpha patterns on a subset of modules. B: rsLoRA on every linear layer.
+ADAPTERS = {
+    "A": dict(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
+        rank_pattern={"v_proj": 2}, alpha_pattern={"down_proj": 32},
+    ),
+    "B": dict(r=8, lora_alpha=4, use_rslora=True, target_modules="all-linear"),
+}
+
+
+def make_adapter(base: torch.nn.Module, directory, seed: int, **options) -> None:
+    """Train nothing: random A and B (`init_lora_weights=False`) so the adapter changes the outputs."""
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(init_lora_weights=False, **options))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.normal_(0, 0.2)
+    peft_model.save_pretrained(directory)
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    base = tiny_model("llama")
+    root = tmp_path_factory.mktemp("adapters")
+    for seed, (name, options) in enumerate(ADAPTERS.items()):
+        make_adapter(base, root / name, seed, **options)
+    return base, {name: root / name for name in ADAPTERS}
+
+
+def peft_reference(base, dirs) -> PeftModel:
+    model = PeftModel.from_pretrained(copy.deepcopy(base), dirs["A"], adapter_name="A")
+    model.load_adapter(dirs["B"], adapter_name="B")
+    return model.eval()
+
+
+def _logits(model, tokens):
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+@pytest.mark.parametrize("swapped", [False, True], ids=["upstream", "swapped"])
+def test_adapters_match_peft(adapters, swapped):
+    base, dirs = adapters
+    reference = peft_reference(base, dirs)
+    model = copy.deepcopy(base)
+    if swapped:
+        etblocks.swap(model, backend="xnnpack", max_seq_len=64)
+    assert len(load_adapter(model, dirs["A"], name="A")) == 2 * 4
+    assert len(load_adapter(model, dirs["B"], name="B")) == 2 * 7
+    tokens = prompt_ids(20)
+    base_logits = _logits(base, tokens)
+    for name in ("A", "B", None):
+        set_adapter(model, name)
+        if name is None:
+            with reference.disable_adapter():
+                expected = _logits(reference, tokens)
+        else:
+            reference.set_adapter(name)
+            expected = _logits(reference, tokens)
+        actual = _logits(model, tokens)
+        assert (actual - expected).abs().max().item() <= ATOL, name
+        assert (name is None) == torch.allclose(actual, base_logits, atol=ATOL), "the adapter must change the output"
+
+
+def test_user_scale_and_merge(adapters):
+    base, dirs = adapters
+    model = copy.deepcopy(base)
+    load_adapter(model, dirs["A"], name="A", scale=0.0)
+    tokens = prompt_ids(12)
+    assert torch.allclose(_logits(model, tokens), _logits(base, tokens), atol=ATOL)  # scale 0 is the base
+
+    model = copy.deepcopy(base)
+    load_adapter(model, dirs["A"], name="A")
+    unmerged = _logits(model, tokens)
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    before = [m.base.weight.clone() for m in layers]
+    for layer in layers:
+        layer.merge()
+    assert (_logits(model, tokens) - unmerged).abs().max().item() <= 1e-4  # W + BA rounds once more than Wx + BAx
+    with pytest.raises(ValueError, match="merged into the base; unmerge"):
+        set_adapter(model, None)
+    for layer, weight in zip(layers, before):
+        layer.unmerge()
+        assert torch.allclose(layer.base.weight, weight, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_exported_program_with_an_adapter_matches_peft_generate(adapters, tmp_path):
+    """The active adapter goes into the program with the base (separate files come with the LoRA export)."""
+    base, dirs = adapters
+    reference = peft_reference(base, dirs)
+    reference.set_adapter("B")
+    model = copy.deepcopy(base)
+    etblocks.swap(model, backend="xnnpack", max_seq_len=64)
+    load_adapter(model, dirs["B"], name="B")
+    result = etblocks.export(model, backend="xnnpack", out=tmp_path / "lora.pte")
+    prompt = prompt_ids(12)
+    expected = hf_greedy(reference, prompt, 32)
+    assert expected != hf_greedy(base, prompt, 32)
+    assert etblocks.Runner(result.path).generate(prompt[0].tolist(), max_new_tokens=32) == expected
+
+
+def _state(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}, [type(m) for m in model.modules()]
+
+
+def _assert_untouched(model, snapshot):
+    state, types = snapshot
+    assert [type(m) for m in model.modules()] == types
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def test_adapters_that_do_not_fit_are_refused(adapters, tmp_path):
+    base, dirs = adapters
+    model = copy.deepcopy(base)
+    snapshot = _state(model)
+
+    wider = tiny_model("llama", hidden_size=96)  # another base: shapes differ
+    make_adapter(wider, tmp_path / "wider", 0, r=4, lora_alpha=8, target_modules=["q_proj"])
+    with pytest.raises(AdapterMismatchError, match=r"model\.layers\.0\.self_attn\.q_proj has lora_A \(4, 96\).*needs \(4, 64\)"):
+        load_adapter(model, tmp_path / "wider", name="W")
+
+    deeper = tiny_model("llama", num_hidden_layers=3)  # a target module this model lacks
+    make_adapter(deeper, tmp_path / "deeper", 0, r=4, lora_alpha=8, target_modules=["q_proj"])
+    with pytest.raises(AdapterMismatchError, match=r"target module model\.layers\.2\.self_attn\.q_proj is not in the model"):
+        load_adapter(model, tmp_path / "deeper", name="D")
+
+    wrong_rank = tmp_path / "wrong_rank"
+    wrong_rank.mkdir()
+    (wrong_rank / "adapter_config.json").write_text(json.dumps({**json.loads((dirs["A"] / "adapter_config.json").read_text()), "r": 6}))
+    (wrong_rank / "adapter_model.safetensors").write_bytes((dirs["A"] / "adapter_model.safetensors").read_bytes())
+    with pytest.raises(AdapterMismatchError, match=r"down_proj has lora_A \(4, 128\).* at rank 6 needs \(6, 128\)"):
+        load_adapter(model, wrong_rank, name="R")
+
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "adapter_config.json").write_text((dirs["A"] / "adapter_config.json").read_text())
+    (corrupt / "adapter_model.safetensors").write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(AdapterMismatchError, match=r"adapter_model\.safetensors could not be read as adapter weights"):
+        load_adapter(model, corrupt, name="C")
+
+    for key, value, message in [
+        ("use_dora", True, r"use_dora=True: DoRA"),
+        ("modules_to_save", ["lm_head"], r"modules_to_save=\['lm_head'\]"),
+        ("bias", "all", r"bias='all': trained base biases are not supported; accepted: 'none'"),
+    ]:
+        refused = tmp_path / key
+        refused.mkdir()
+        config = {**json.loads((dirs["A"] / "adapter_config.json").read_text()), key: value}
+        (refused / "adapter_config.json").write_text(json.dumps(config))
+        (refused / "adapter_model.safetensors").write_bytes((dirs["A"] / "adapter_model.safetensors").read_bytes())
+        with pytest.raises(AdapterMismatchError, match=message):
+            load_adapter(model, refused, name="X")
+    _assert_untouched(model, snapshot)
+
+    load_adapter(model, dirs["A"], name="A")
+    with pytest.raises(AdapterMismatchError, match="already has an adapter named 'A'"):
+        load_adapter(model, dirs["B"], name="A")
+    with pytest.raises(etblocks.ConfigError, match=r"name='Z' is not a loaded adapter; loaded: \['A'\]"):
+        set_adapter(model, "Z")
