@@ -145,3 +145,19 @@ def hf_greedy(model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: int)
     with torch.no_grad():
         out = model.generate(prompt, do_sample=False, max_new_tokens=max_new_tokens)
     return out[0, prompt.shape[1] :].tolist()
+
+
+def snapshot_of(model: torch.nn.Module):
+    """Module types by name and a copy of the state dict: what `assert_untouched` compares against."""
+    return {name: type(module) for name, module in model.named_modules()}, {
+        k: v.clone() for k, v in model.state_dict().items()
+    }
+
+
+def assert_untouched(model: torch.nn.Module, snapshot) -> None:
+    """Same modules, same values, not marked swapped: a refused call changed nothing."""
+    modules, state = snapshot
+    assert {name: type(module) for name, module in model.named_modules()} == modules
+    assert model.state_dict().keys() == state.keys()
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert getattr(model, "etblocks_swap", None) is None

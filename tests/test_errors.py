@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from hf_models import FAMILIES, original_and_copy, prompt_ids, tiny_model
+from hf_models import FAMILIES, assert_untouched, original_and_copy, prompt_ids, snapshot_of, tiny_model
 
 import etblocks
 from etblocks.errors import BackendUnavailableError, ConfigError, ContextOverflowError, UnsupportedModelError
@@ -14,35 +14,22 @@ from etblocks.export import backends
 from etblocks.swap.hf.fallback import infer_layout
 
 
-def _snapshot(model):
-    return {name: type(module) for name, module in model.named_modules()}, {
-        k: v.clone() for k, v in model.state_dict().items()
-    }
-
-
-def _assert_untouched(model, snapshot):
-    modules, state = snapshot
-    assert {name: type(module) for name, module in model.named_modules()} == modules
-    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
-    assert getattr(model, "etblocks_swap", None) is None
-
-
 def test_unknown_architecture_names_class_and_supported():
     model = tiny_model("gpt2", n_embd=64, n_layer=2, n_head=4)  # fused c_attn Conv1D: fits no layout
-    snapshot = _snapshot(model)
+    snapshot = snapshot_of(model)
     with pytest.raises(UnsupportedModelError, match=r"GPT2Attention.*supported attention classes: \[.*LlamaAttention"):
         etblocks.swap(model, backend="xnnpack")
-    _assert_untouched(model, snapshot)
+    assert_untouched(model, snapshot)
 
 
 def test_probe_mismatch_names_module_and_error_size():
     # GLM rotates interleaved pairs: the structural fallback accepts its layout, the probe catches the rope.
     model = tiny_model("glm")
     assert infer_layout(model.model.layers[0].self_attn) is not None
-    snapshot = _snapshot(model)
+    snapshot = snapshot_of(model)
     with pytest.raises(UnsupportedModelError, match=r"model\.layers\.0\.self_attn \(GlmAttention\).*max abs error [0-9.e+-]+ > tolerance"):
         etblocks.swap(model, backend="xnnpack", max_seq_len=32)
-    _assert_untouched(model, snapshot)
+    assert_untouched(model, snapshot)
 
 
 def test_registered_converter_mismatch_is_caught_too():
@@ -155,10 +142,10 @@ def test_generation_past_context_is_refused_before_running(small_program):
 
 def test_chunk_larger_than_context():
     _, model = original_and_copy("llama")
-    snapshot = _snapshot(model)
+    snapshot = snapshot_of(model)
     with pytest.raises(ConfigError, match=r"chunk=32 is larger than the context max_seq_len=16; give chunk <= 16"):
         etblocks.swap(model, backend="openvino", max_seq_len=16, chunk=32)
-    _assert_untouched(model, snapshot)
+    assert_untouched(model, snapshot)
     with pytest.raises(ConfigError, match=r"chunk=1 is not accepted; give an integer >= 2"):
         etblocks.swap(model, backend="openvino", max_seq_len=16, chunk=1)
 
@@ -176,10 +163,10 @@ def test_chunk_larger_than_context():
 )
 def test_recipe_option_the_backend_does_not_support(backend, options, message):
     _, model = original_and_copy("llama")
-    snapshot = _snapshot(model)
+    snapshot = snapshot_of(model)
     with pytest.raises(ConfigError, match=message):
         etblocks.swap(model, backend=backend, max_seq_len=32, **options)
-    _assert_untouched(model, snapshot)
+    assert_untouched(model, snapshot)
 
 
 def test_export_options_that_do_not_fit_the_program():
@@ -247,10 +234,10 @@ def test_hybrid_partition_needs_a_configurable_partitioner():
 
 def test_mla_configs_it_cannot_serve():
     _, model = original_and_copy(*FAMILIES["deepseek_v3"][:1], **FAMILIES["deepseek_v3"][1])
-    snapshot = _snapshot(model)
+    snapshot = snapshot_of(model)
     with pytest.raises(UnsupportedModelError, match=r"DeepseekV3Attention.*MLA has no single-head form"):
         etblocks.swap(model, backend="qnn", max_seq_len=32, chunk=8)
-    _assert_untouched(model, snapshot)
+    assert_untouched(model, snapshot)
 
 
 def _moe_model(name: str):
@@ -261,17 +248,17 @@ def test_moe_configs_it_cannot_serve():
     """A router asking for more experts than exist, and OLMoE's q/k/v clamping: refused, nothing swapped."""
     model = _moe_model("qwen3_moe")
     model.model.layers[1].mlp.gate.top_k = 9
-    snapshot = _snapshot(model)
+    snapshot = snapshot_of(model)
     with pytest.raises(UnsupportedModelError, match=r"model\.layers\.1\.mlp \(Qwen3MoeSparseMoeBlock\).*top_k=9 must be in 1\.\.8"):
         etblocks.swap(model, backend="xnnpack", max_seq_len=32)
-    _assert_untouched(model, snapshot)
+    assert_untouched(model, snapshot)
 
     model = _moe_model("olmoe")
     model.config.clip_qkv = 8.0
-    snapshot = _snapshot(model)
+    snapshot = snapshot_of(model)
     with pytest.raises(UnsupportedModelError, match=r"OlmoeAttention.*clip_qkv=8\.0 .* is not supported; accepted: None"):
         etblocks.swap(model, backend="xnnpack", max_seq_len=32)
-    _assert_untouched(model, snapshot)
+    assert_untouched(model, snapshot)
 
 
 def test_moe_probe_catches_a_block_that_computes_something_else():
@@ -285,10 +272,10 @@ def test_moe_probe_catches_a_block_that_computes_something_else():
     model = _moe_model("qwen3_moe")
     for layer in model.model.layers:
         layer.mlp.__class__ = ScaledMoe
-    snapshot = _snapshot(model)
+    snapshot = snapshot_of(model)
     with pytest.raises(UnsupportedModelError, match=r"model\.layers\.0\.mlp \(ScaledMoe\) does not match"):
         etblocks.swap(model, backend="xnnpack", max_seq_len=32)
-    _assert_untouched(model, snapshot)
+    assert_untouched(model, snapshot)
 
 
 @pytest.mark.slow
@@ -298,14 +285,14 @@ def test_moe_family_without_converter_is_refused_until_its_experts_export(tmp_pa
     from hf_models import hf_greedy
 
     model = tiny_model("hunyuan_v1_moe", num_experts=8, moe_topk=2, num_experts_per_tok=2, moe_intermediate_size=32)
-    snapshot = _snapshot(model)
+    snapshot = snapshot_of(model)
     with pytest.raises(
         UnsupportedModelError,
         match=r"model\.layers\.0\.mlp\.experts \(HunYuanMoEV1Experts\) is a transformers MoE experts module with no "
         r"etblocks converter, and experts_implementation='grouped_mm' does not export.*set_experts_implementation\('batched_mm'\)",
     ):
         etblocks.swap(model, backend="xnnpack", max_seq_len=32)
-    _assert_untouched(model, snapshot)
+    assert_untouched(model, snapshot)
 
     model.set_experts_implementation("batched_mm")
     original = copy.deepcopy(model)

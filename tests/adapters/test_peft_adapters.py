@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from hf_models import hf_greedy, prompt_ids, tiny_model
+from hf_models import assert_untouched, hf_greedy, prompt_ids, snapshot_of, tiny_model
 from peft import LoraConfig, PeftModel, get_peft_model
 
 import etblocks
@@ -120,20 +120,10 @@ def test_exported_program_with_an_adapter_matches_peft_generate(adapters, tmp_pa
     assert etblocks.Runner(result.path).generate(prompt[0].tolist(), max_new_tokens=32) == expected
 
 
-def _state(model):
-    return {k: v.clone() for k, v in model.state_dict().items()}, [type(m) for m in model.modules()]
-
-
-def _assert_untouched(model, snapshot):
-    state, types = snapshot
-    assert [type(m) for m in model.modules()] == types
-    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
-
-
 def test_adapters_that_do_not_fit_are_refused(adapters, tmp_path):
     base, dirs = adapters
     model = copy.deepcopy(base)
-    snapshot = _state(model)
+    snapshot = snapshot_of(model)
 
     wider = tiny_model("llama", hidden_size=96)  # another base: shapes differ
     make_adapter(wider, tmp_path / "wider", 0, r=4, lora_alpha=8, target_modules=["q_proj"])
@@ -171,7 +161,7 @@ def test_adapters_that_do_not_fit_are_refused(adapters, tmp_path):
         (refused / "adapter_model.safetensors").write_bytes((dirs["A"] / "adapter_model.safetensors").read_bytes())
         with pytest.raises(AdapterMismatchError, match=message):
             load_adapter(model, refused, name="X")
-    _assert_untouched(model, snapshot)
+    assert_untouched(model, snapshot)
 
     load_adapter(model, dirs["A"], name="A")
     with pytest.raises(AdapterMismatchError, match="already has an adapter named 'A'"):
