@@ -4,7 +4,8 @@
 token's top-k get weight 0): two wide linears in and one out, no indexing, so NPUs and fixed-shape compilers take
 it whole; cost grows with the number of experts. `GatherExperts` reads only the top-k experts' weights for each
 token (`weight[indices]`, then batched matmuls), so decode cost stays flat as experts are added; it keeps
-`[N, k, I, D]` gathered weights per call, so prefill memory grows with the tokens per call.
+`[N * k, I, D]` gathered weights per call, so its memory grows with the tokens per call (dynamic programs cap
+them, see `etblocks.export.programs.dynamic_program`).
 
 `GatherExperts` takes the router's top-k form, `x [N, D], weights [N, k], indices [N, k] -> [N, D]`;
 `DenseExperts` its dense form, `x [N, D], weights [N, E] -> [N, D]` (`routing` says which). Both are built from
