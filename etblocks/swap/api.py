@@ -16,6 +16,7 @@ from etblocks.swap.hf import model as hf
 from etblocks.swap.hf.convert import build_attention
 from etblocks.swap.hf.families import register_families
 from etblocks.swap.hf.fallback import infer_layout
+from etblocks.swap.hf.moe import MOE_FAMILIES
 from etblocks.swap.recipes import Recipe, resolve_recipe
 from etblocks.swap.registry import ATTENTION, MODULES, SwapContext
 
@@ -71,11 +72,11 @@ def swap(
             f"{type(model).__name__} has no `self_attn` modules to swap; supported attention classes: {ATTENTION.supported()}"
         )
     replacements = [(name, _convert(name, module, ctx)) for name, module in targets]
-    others = [(name, module) for name, module in model.named_modules() if MODULES.lookup(module)]
-    replacements += [(name, _call_converter(MODULES.lookup(module), name, module, ctx)) for name, module in others]
+    others = [(name, module, converter) for name, module in model.named_modules() if (converter := MODULES.lookup(module))]
+    replacements += [(name, _call_converter(converter, name, module, ctx)) for name, module, converter in others]
     _check_experts(model, [name for name, _ in replacements])
     if verify:
-        checked = targets + [(name, module) for name, module in others if MODULES.same_output(module)]
+        checked = targets + [(name, module) for name, module, _ in others if MODULES.same_output(module)]
         by_name = dict(replacements)
         _verify(model, [(name, original, by_name[name]) for name, original in checked], max_seq_len)
     _commit(model, replacements, recipe)
@@ -143,13 +144,16 @@ def _call_converter(converter, name: str, module: nn.Module, ctx: SwapContext) -
 
 def _check_experts(model: nn.Module, replaced: list[str]) -> None:
     """MoE experts left upstream must export through transformers' own kernel, or the export fails much later."""
-    for name, module, implementation in hf.unexportable_experts(model, replaced)[:1]:
+    left = hf.unexportable_experts(model, replaced)
+    if left:
+        name, module, implementation = left[0]
         raise UnsupportedModelError(
             f"{name} ({type(module).__name__}) is a transformers MoE experts module with no etblocks converter, and "
             f"experts_implementation={implementation!r} does not export. MoE blocks etblocks converts: "
-            f"{[n for n in MODULES.supported() if 'Rotary' not in n]}; register a converter for its block with "
+            f"{sorted(block for block, _ in MOE_FAMILIES.values())}; register a converter for its block with "
             f"etblocks.swap.registry.MODULES.register, or call model.set_experts_implementation("
-            f"{hf.EXPORTABLE_EXPERTS[0]!r}) to export transformers' own kernel (a per-token gather of the top-k experts, with the upstream router)."
+            f"{hf.EXPORTABLE_EXPERTS[0]!r}) to export transformers' own kernel (a per-token gather of the top-k "
+            "experts, with the upstream router)."
         )
 
 
