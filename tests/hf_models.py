@@ -7,6 +7,8 @@ import copy
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+import etblocks
+
 VOCAB = 128
 WINDOW = 6  # sliding windows are shorter than every test prompt
 
@@ -134,6 +136,19 @@ def original_and_copy(model_type: str, **overrides):
     """The untouched upstream model and a deep copy to swap."""
     original = tiny_model(model_type, **overrides)
     return original, copy.deepcopy(original)
+
+
+def family_pair(name: str, families: dict = FAMILIES):
+    """The untouched model of the family entry `name` and a deep copy to swap."""
+    model_type, overrides = families[name]
+    return original_and_copy(model_type, **overrides)
+
+
+def swapped_family(name: str, backend: str, families: dict = FAMILIES, **swap_options):
+    """`family_pair` with the copy swapped for `backend` (`max_seq_len`, recipe options in `swap_options`)."""
+    original, swapped = family_pair(name, families)
+    etblocks.swap(swapped, backend=backend, **swap_options)
+    return original, swapped
 
 
 def prompt_ids(length: int = 12, seed: int = 1) -> torch.Tensor:

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from hf_models import FAMILIES, assert_untouched, original_and_copy, prompt_ids, snapshot_of, tiny_model
+from hf_models import assert_untouched, family_pair, original_and_copy, prompt_ids, snapshot_of, tiny_model
 
 import etblocks
 from etblocks.errors import BackendUnavailableError, ConfigError, ContextOverflowError, UnsupportedModelError
@@ -233,27 +233,23 @@ def test_hybrid_partition_needs_a_configurable_partitioner():
 
 
 def test_mla_configs_it_cannot_serve():
-    _, model = original_and_copy(*FAMILIES["deepseek_v3"][:1], **FAMILIES["deepseek_v3"][1])
+    _, model = family_pair("deepseek_v3")
     snapshot = snapshot_of(model)
     with pytest.raises(UnsupportedModelError, match=r"DeepseekV3Attention.*MLA has no single-head form"):
         etblocks.swap(model, backend="qnn", max_seq_len=32, chunk=8)
     assert_untouched(model, snapshot)
 
 
-def _moe_model(name: str):
-    return original_and_copy(*FAMILIES[name][:1], **FAMILIES[name][1])[1]
-
-
 def test_moe_configs_it_cannot_serve():
     """A router asking for more experts than exist, and OLMoE's q/k/v clamping: refused, nothing swapped."""
-    model = _moe_model("qwen3_moe")
+    _, model = family_pair("qwen3_moe")
     model.model.layers[1].mlp.gate.top_k = 9
     snapshot = snapshot_of(model)
     with pytest.raises(UnsupportedModelError, match=r"model\.layers\.1\.mlp \(Qwen3MoeSparseMoeBlock\).*top_k=9 must be in 1\.\.8"):
         etblocks.swap(model, backend="xnnpack", max_seq_len=32)
     assert_untouched(model, snapshot)
 
-    model = _moe_model("olmoe")
+    _, model = family_pair("olmoe")
     model.config.clip_qkv = 8.0
     snapshot = snapshot_of(model)
     with pytest.raises(UnsupportedModelError, match=r"OlmoeAttention.*clip_qkv=8\.0 .* is not supported; accepted: None"):
@@ -269,7 +265,7 @@ def test_moe_probe_catches_a_block_that_computes_something_else():
         def forward(self, hidden_states):
             return 2 * super().forward(hidden_states)
 
-    model = _moe_model("qwen3_moe")
+    _, model = family_pair("qwen3_moe")
     for layer in model.model.layers:
         layer.mlp.__class__ = ScaledMoe
     snapshot = snapshot_of(model)

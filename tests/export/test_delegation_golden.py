@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_models import FAMILIES, original_and_copy
+from hf_models import original_and_copy, swapped_family
 
 import etblocks
 
@@ -43,9 +43,7 @@ def summary_of(result: etblocks.ExportResult) -> dict:
 
 def export_recipe(recipe: str, family: str, out_dir: Path) -> etblocks.ExportResult:
     swap_backend, options, export_backend = RECIPES[recipe]
-    model_type, overrides = FAMILIES[family]
-    _, model = original_and_copy(model_type, **overrides)
-    etblocks.swap(model, backend=swap_backend, max_seq_len=64, chunk=8, **options)
+    _, model = swapped_family(family, swap_backend, max_seq_len=64, chunk=8, **options)
     return etblocks.export(model, backend=export_backend, out=out_dir / f"{recipe}-{family}.pte")
 
 

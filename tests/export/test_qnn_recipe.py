@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import FAMILIES, hf_greedy, original_and_copy, prompt_ids
+from hf_models import hf_greedy, prompt_ids, swapped_family
 
 import etblocks
 from etblocks.cli import main
@@ -22,10 +22,7 @@ MIN_TOP1_16A8W = 0.7
 
 
 def swap_qnn(name: str):
-    model_type, overrides = FAMILIES[name]
-    original, swapped = original_and_copy(model_type, **overrides)
-    etblocks.swap(swapped, backend="qnn", max_seq_len=64, chunk=8)
-    return original, swapped
+    return swapped_family(name, "qnn", max_seq_len=64, chunk=8)
 
 
 @pytest.mark.slow

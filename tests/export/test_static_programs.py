@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import FAMILIES, hf_greedy, original_and_copy, prompt_ids
+from hf_models import hf_greedy, original_and_copy, prompt_ids, swapped_family
 
 import etblocks
 from etblocks.export.contract import StaticContract
@@ -28,12 +28,9 @@ LOGIT_ATOL = 1e-4
 
 
 def swap_static(name: str, backend: str, **options):
-    model_type, overrides = FAMILIES[name]
-    original, swapped = original_and_copy(model_type, **overrides)
     if backend in ("xnnpack", "portable"):
         options = {"shapes": "static", **options}
-    etblocks.swap(swapped, backend=backend, max_seq_len=CONTEXT, chunk=CHUNK, **options)
-    return original, swapped
+    return swapped_family(name, backend, max_seq_len=CONTEXT, chunk=CHUNK, **options)
 
 
 def eager_driver(swapped) -> StaticDriver:

@@ -5,7 +5,7 @@ every family by tests/swap/test_hf_families.py; here: dense on the dynamic progr
 from __future__ import annotations
 
 import pytest
-from hf_models import FAMILIES, MOE_FAMILIES, hf_greedy, original_and_copy, prompt_ids
+from hf_models import MOE_FAMILIES, hf_greedy, prompt_ids, swapped_family
 
 import etblocks
 from etblocks.moe import DenseExperts, GatherExperts, MoE
@@ -17,10 +17,7 @@ PROMPT_LENGTHS = (16, 13, 5, 17)  # a multiple of the chunk, a padded tail, less
 
 
 def swapped_pair(name: str, backend: str, **options):
-    model_type, overrides = FAMILIES[name]
-    original, swapped = original_and_copy(model_type, **overrides)
-    etblocks.swap(swapped, backend=backend, max_seq_len=CONTEXT, **options)
-    return original, swapped
+    return swapped_family(name, backend, max_seq_len=CONTEXT, **options)
 
 
 def strategies(model) -> set[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import FALLBACK_FAMILIES, FAMILIES, hf_greedy, original_and_copy, prompt_ids
+from hf_models import FALLBACK_FAMILIES, FAMILIES, hf_greedy, original_and_copy, prompt_ids, swapped_family
 
 import etblocks
 from etblocks.attention import CustomSDPA, DynamicSDPA
@@ -17,9 +17,7 @@ PORTABLE_FAMILIES = ("llama", "gemma2", "qwen3", "phi3")
 
 
 def _eager_parity(name: str, families: dict) -> None:
-    model_type, overrides = families[name]
-    original, swapped = original_and_copy(model_type, **overrides)
-    etblocks.swap(swapped, backend="xnnpack", max_seq_len=64)
+    original, swapped = swapped_family(name, "xnnpack", families, max_seq_len=64)
     assert all(isinstance(m, HFCall) for n, m in swapped.named_modules() if n.endswith("self_attn"))
     tokens = prompt_ids(20)
     with torch.no_grad():
@@ -40,9 +38,7 @@ def test_structural_fallback_logits_match_upstream(name):
 
 
 def _exported_tokens_match(name: str, families: dict, backend: str, tmp_path) -> etblocks.ExportResult:
-    model_type, overrides = families[name]
-    original, swapped = original_and_copy(model_type, **overrides)
-    etblocks.swap(swapped, backend=backend, max_seq_len=64)
+    original, swapped = swapped_family(name, backend, families, max_seq_len=64)
     result = etblocks.export(swapped, backend=backend, out=tmp_path / f"{name}.pte")
     prompt = prompt_ids(12)
     expected = hf_greedy(original, prompt, NEW_TOKENS)
@@ -74,11 +70,9 @@ def test_fallback_family_exports(tmp_path):
 
 def test_recipe_picks_blocks_per_layer():
     """xnnpack: custom SDPA on full layers, ring cache + position-masked SDPA on sliding layers."""
-    model_type, overrides = FAMILIES["gemma3_text"]
-    _, swapped = original_and_copy(model_type, **overrides)
-    etblocks.swap(swapped, backend="xnnpack", max_seq_len=64)
+    _, swapped = swapped_family("gemma3_text", "xnnpack", max_seq_len=64)
     sliding, full = (layer.self_attn for layer in swapped.model.layers)
-    assert isinstance(sliding.kv_cache, RingKVCache) and sliding.kv_cache.window == overrides["sliding_window"]
+    assert isinstance(sliding.kv_cache, RingKVCache) and sliding.kv_cache.window == FAMILIES["gemma3_text"][1]["sliding_window"]
     assert isinstance(sliding.sdpa, DynamicSDPA)
     assert isinstance(full.sdpa, CustomSDPA) and full.kv_cache.max_seq_len == 64
 
