@@ -3,8 +3,25 @@ independently of etblocks' mask code, and the HF eager attention call they are c
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 from torch import nn
+
+
+@dataclass
+class Family:
+    """A transformers attention family under test: its config, attention and rotary classes, the config
+    overrides it is tested with, its q/k-norm layout and whether q/k/v are one fused projection."""
+
+    name: str
+    config_cls: type
+    attention_cls: type
+    rotary_cls: type
+    config: dict
+    layout: str = "head"
+    fused: bool = False
 
 
 def randomize_weights(module: nn.Module, seed: int) -> None:
@@ -18,6 +35,16 @@ def randomize_weights(module: nn.Module, seed: int) -> None:
                 p.copy_(0.2 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+
+
+def make_hf(family: Family, seed: int = 0, randomize: Callable[[nn.Module, int], None] | None = None, **sizes):
+    """`(config, attention, rotary)`: layer 0 of `family` in eager mode with random weights (`randomize_weights`
+    unless given). `sizes` override hidden 64, 4 heads, 2 KV heads."""
+    sizes = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, **sizes}
+    cfg = family.config_cls(**sizes, num_hidden_layers=1, pad_token_id=0, attn_implementation="eager", **family.config)
+    attn = family.attention_cls(cfg, layer_idx=0).eval()
+    (randomize or randomize_weights)(attn, seed)
+    return cfg, attn, family.rotary_cls(cfg)
 
 
 def additive(allowed: torch.Tensor) -> torch.Tensor:

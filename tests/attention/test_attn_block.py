@@ -14,11 +14,9 @@ llama::update_cache + CustomSDPA). fp32, atol 1e-5.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
-from attention_refs import hf_forward, randomize_weights
+from attention_refs import Family, hf_forward, make_hf, randomize_weights
 from torch import nn
 from transformers import LlamaConfig, Olmo2Config, Phi3Config, Qwen3Config, StableLmConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
@@ -35,17 +33,6 @@ SEQ = 11
 CHUNKS = [4, 1, 3, 1, 1, 1]  # prefill chunks interleaved with decode steps; sums to SEQ
 
 
-@dataclass
-class Family:
-    name: str
-    config_cls: type
-    attention_cls: type
-    rotary_cls: type
-    config: dict
-    layout: str = "head"
-    fused: bool = False
-
-
 FAMILIES = [
     Family("llama", LlamaConfig, LlamaAttention, LlamaRotaryEmbedding, dict(attention_bias=True, head_dim=16)),
     Family("qwen3", Qwen3Config, Qwen3Attention, Qwen3RotaryEmbedding, dict(head_dim=16), layout="head"),
@@ -60,21 +47,6 @@ FAMILIES = [
     ),
     Family("phi3", Phi3Config, Phi3Attention, Phi3RotaryEmbedding, dict(partial_rotary_factor=0.5), fused=True),
 ]
-
-
-def make_hf(family: Family, seed: int = 0):
-    cfg = family.config_cls(
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=1,
-        pad_token_id=0,
-        attn_implementation="eager",
-        **family.config,
-    )
-    attn = family.attention_cls(cfg, layer_idx=0).eval()
-    randomize_weights(attn, seed)
-    return cfg, attn, family.rotary_cls(cfg)
 
 
 def block_from_hf(family: Family, cfg, hf: nn.Module, kv_cache=None, custom: bool = False) -> Attention:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from attention_refs import hf_attention, io_mask
+from attention_refs import Family, hf_attention, io_mask, make_hf
 from torch import nn
 from transformers import DeepseekV2Config, DeepseekV3Config
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Attention, DeepseekV2RotaryEmbedding
@@ -46,12 +46,7 @@ def yarn(mscale: float, mscale_all_dim: float) -> dict:
 
 
 @dataclass
-class Family:
-    name: str
-    config_cls: type
-    attention_cls: type
-    rotary_cls: type
-    config: dict
+class MLAFamily(Family):
     complex_rope: bool = False
 
     @property
@@ -60,21 +55,21 @@ class Family:
 
 
 FAMILIES = [
-    Family(
+    MLAFamily(
         "v3-interleave",
         DeepseekV3Config,
         DeepseekV3Attention,
         DeepseekV3RotaryEmbedding,
         dict(q_lora_rank=24, rope_interleave=True, rope_parameters=yarn(0.707, 1.0)),
     ),
-    Family(
+    MLAFamily(
         "v3-rotate-half",
         DeepseekV3Config,
         DeepseekV3Attention,
         DeepseekV3RotaryEmbedding,
         dict(q_lora_rank=None, rope_interleave=False, rope_parameters=yarn(1.0, 1.0)),
     ),
-    Family(
+    MLAFamily(
         "v2",
         DeepseekV2Config,
         DeepseekV2Attention,
@@ -93,32 +88,22 @@ def randomize(module: nn.Module, seed: int) -> None:
             p.copy_((1.0 if p.dim() == 1 else 0.0) + 0.2 * torch.randn(p.shape, generator=g))
 
 
-def make_hf(family: Family, seed: int = 0):
-    cfg = family.config_cls(
-        hidden_size=64,
-        num_attention_heads=HEADS,
-        num_key_value_heads=HEADS,
-        kv_lora_rank=RANK,
-        qk_nope_head_dim=NOPE,
-        qk_rope_head_dim=ROPE,
-        v_head_dim=V,
-        num_hidden_layers=1,
-        max_position_embeddings=128,
-        attn_implementation="eager",
-        **family.config,
+def make_mla(family: MLAFamily, seed: int = 0):
+    """`(attention, rotary)` of `family` at this file's MLA sizes."""
+    _, attn, rotary = make_hf(
+        family, seed, randomize=randomize, num_key_value_heads=HEADS, kv_lora_rank=RANK, qk_nope_head_dim=NOPE,
+        qk_rope_head_dim=ROPE, v_head_dim=V, max_position_embeddings=128,
     )
-    attn = family.attention_cls(cfg, layer_idx=0).eval()
-    randomize(attn, seed)
-    return attn, family.rotary_cls(cfg)
+    return attn, rotary
 
 
-def hf_tables(family: Family, rotary: nn.Module, x: torch.Tensor, positions: torch.Tensor):
+def hf_tables(family: MLAFamily, rotary: nn.Module, x: torch.Tensor, positions: torch.Tensor):
     """The rotary input HF's attention takes, and the `(cos, sin)` `[1, T, R]` etblocks takes."""
     tables = rotary(x, positions[None])
     return tables, (cos_sin_from_complex(tables) if family.complex_rope else tables)
 
 
-def mla_from_hf(family: Family, hf: nn.Module, rotary: nn.Module, kv_cache=None, absorb: bool = True) -> MLAttention:
+def mla_from_hf(family: MLAFamily, hf: nn.Module, rotary: nn.Module, kv_cache=None, absorb: bool = True) -> MLAttention:
     query = (
         dict(q_proj=hf.q_proj)
         if hf.q_lora_rank is None
@@ -138,7 +123,7 @@ def mla_from_hf(family: Family, hf: nn.Module, rotary: nn.Module, kv_cache=None,
     ).eval()
 
 
-def hf_forward(family: Family, hf, rotary, x: torch.Tensor) -> torch.Tensor:
+def hf_forward(family: MLAFamily, hf, rotary, x: torch.Tensor) -> torch.Tensor:
     tables, _ = hf_tables(family, rotary, x, torch.arange(x.shape[1]))
     return hf_attention(hf, x, tables)
 
@@ -153,14 +138,14 @@ ABSORB = pytest.mark.parametrize("absorb", [True, False], ids=["absorbed", "expa
 
 def test_scale_differs_from_head_dim_rule():
     """The YaRN families really exercise the mscale correction of the softmax scale."""
-    hf, _ = make_hf(FAMILIES[0])
+    hf, _ = make_mla(FAMILIES[0])
     assert abs(hf.scaling - (NOPE + ROPE) ** -0.5) > 0.01
 
 
 @ABSORB
 def test_full_sequence_matches_hf(family, absorb):
     """No cache, HF's rotary tables passed in (`[1, T, R]`, as the HF model computes them)."""
-    hf, rotary = make_hf(family)
+    hf, rotary = make_mla(family)
     x = torch.randn(2, SEQ, 64, generator=torch.Generator().manual_seed(1))
     block = mla_from_hf(family, hf, rotary, absorb=absorb)
     block.rope = None
@@ -175,7 +160,7 @@ def test_full_sequence_matches_hf(family, absorb):
 @ABSORB
 @pytest.mark.parametrize("custom", [False, True], ids=["index_copy", "update_cache"])
 def test_chunked_static_cache_matches_hf_full_sequence(family, absorb, custom):
-    hf, rotary = make_hf(family, seed=2)
+    hf, rotary = make_mla(family, seed=2)
     x = torch.randn(2, SEQ, 64, generator=torch.Generator().manual_seed(3))
     cache = StaticKVCache(2, CACHE_LEN, 1, RANK, use_custom_op=custom, v_head_dim=ROPE)
     block = mla_from_hf(family, hf, rotary, kv_cache=cache, absorb=absorb)
@@ -193,7 +178,7 @@ def test_chunked_static_cache_matches_hf_full_sequence(family, absorb, custom):
 @ABSORB
 def test_chunked_io_cache_matches_hf_full_sequence(family, absorb):
     """The caller keeps the caches, passes them with the mask and writes back the rows the block returns."""
-    hf, rotary = make_hf(family, seed=4)
+    hf, rotary = make_mla(family, seed=4)
     x = torch.randn(2, SEQ, 64, generator=torch.Generator().manual_seed(5))
     block = mla_from_hf(family, hf, rotary, kv_cache=IOKVCache(1, RANK, v_head_dim=ROPE), absorb=absorb)
     latent_cache, rope_cache = torch.zeros(2, CACHE_LEN, 1, RANK), torch.zeros(2, CACHE_LEN, 1, ROPE)
@@ -216,7 +201,7 @@ def test_chunked_io_cache_matches_hf_full_sequence(family, absorb):
 
 
 def test_absorbed_path_never_expands_the_cache():
-    hf, rotary = make_hf(FAMILIES[0], seed=6)
+    hf, rotary = make_mla(FAMILIES[0], seed=6)
     calls = []
     hf.kv_b_proj.register_forward_hook(lambda *args: calls.append(1))
     cache = StaticKVCache(1, CACHE_LEN, 1, RANK, v_head_dim=ROPE)
@@ -230,7 +215,7 @@ def test_absorbed_path_never_expands_the_cache():
 
 def test_absorbed_weights_are_views_of_kv_b_proj():
     """W_UK / W_UV share kv_b_proj's storage, and the state dict keeps only the upstream names."""
-    hf, rotary = make_hf(FAMILIES[0], seed=7)
+    hf, rotary = make_mla(FAMILIES[0], seed=7)
     block = mla_from_hf(FAMILIES[0], hf, rotary)
     weight = hf.kv_b_proj.weight
     assert block.w_uk.data_ptr() == weight.data_ptr()
@@ -244,7 +229,7 @@ def test_absorbed_weights_are_views_of_kv_b_proj():
 
 def test_own_rope_equals_hf_tables(family):
     """`cos_sin_from_complex` (V2) and HF's `cat(freqs, freqs)` tables equal the block's own RotaryEmbedding."""
-    hf, rotary = make_hf(family, seed=8)
+    hf, rotary = make_mla(family, seed=8)
     block = mla_from_hf(family, hf, rotary)
     x = torch.randn(1, 6, 64, generator=torch.Generator().manual_seed(9))
     pos = torch.arange(3, 9)
@@ -274,7 +259,7 @@ def test_exports_with_dynamic_length_lowers_to_xnnpack_and_runs_like_eager(custo
     from executorch.runtime import Runtime
 
     context = 8
-    hf, rotary = make_hf(FAMILIES[0], seed=10)
+    hf, rotary = make_mla(FAMILIES[0], seed=10)
     cache = StaticKVCache(1, context, 1, RANK, use_custom_op=custom, v_head_dim=ROPE)
     module = Wrapper(mla_from_hf(FAMILIES[0], hf, rotary, kv_cache=cache)).eval()
     eager = copy.deepcopy(module)

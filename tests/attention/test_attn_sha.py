@@ -14,11 +14,9 @@ fp32, atol 1e-5. Then: the block exports at fixed shapes, lowers to XNNPACK and 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
-from attention_refs import causal_mask, hf_forward, io_mask, randomize_weights
+from attention_refs import Family, causal_mask, hf_forward, io_mask, make_hf
 from torch import nn
 from transformers import Gemma2Config, LlamaConfig, Phi3Config, Qwen3Config
 from transformers.models.gemma2.modeling_gemma2 import Gemma2Attention, Gemma2RotaryEmbedding
@@ -43,16 +41,6 @@ CHUNKS = [4, 1, 3, 1, 1, 1]  # prefill chunks interleaved with decode steps; sum
 CACHE_LEN = 16  # more slots than SEQ: the last chunks still see empty slots
 
 
-@dataclass
-class Family:
-    name: str
-    config_cls: type
-    attention_cls: type
-    rotary_cls: type
-    config: dict
-    fused: bool = False
-
-
 FAMILIES = [
     Family("llama", LlamaConfig, LlamaAttention, LlamaRotaryEmbedding, dict(attention_bias=True, head_dim=16)),
     Family("qwen3", Qwen3Config, Qwen3Attention, Qwen3RotaryEmbedding, dict(head_dim=16)),
@@ -65,21 +53,6 @@ FAMILIES = [
     ),
     Family("phi3", Phi3Config, Phi3Attention, Phi3RotaryEmbedding, dict(partial_rotary_factor=0.5), fused=True),
 ]
-
-
-def make_hf(family: Family, seed: int = 0):
-    cfg = family.config_cls(
-        hidden_size=DIM,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        num_hidden_layers=1,
-        pad_token_id=0,
-        attn_implementation="eager",
-        **family.config,
-    )
-    attn = family.attention_cls(cfg, layer_idx=0).eval()
-    randomize_weights(attn, seed)
-    return cfg, attn, family.rotary_cls(cfg)
 
 
 def sha_from_hf(family: Family, cfg, hf: nn.Module, io_cache: bool = False, conv2d: bool = False):
