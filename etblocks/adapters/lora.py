@@ -8,8 +8,19 @@ the base weight when a single adapter is all a deployment needs.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
+
+
+class LoRATensors(NamedTuple):
+    """One layer of an adapter as read from a file: `lora_A [r, in]`, `lora_B [out, r]` and the adapter's
+    own scaling (`alpha / r`, or `alpha / sqrt(r)` with rsLoRA)."""
+
+    lora_A: torch.Tensor
+    lora_B: torch.Tensor
+    scale: float
 
 
 class LoRAWeights(nn.Module):
@@ -43,11 +54,16 @@ class LoRALinear(nn.Module):
     """`base(x) + active_adapter(x)`; with no active adapter (`active is None`) exactly `base(x)`.
 
     `x [..., in] -> [..., out]`. Adapters live in `adapters[name]`; `set_adapter(name | None)` switches.
+    `target` names the upstream module whose adapter tensors this layer takes (adapter files are keyed by it)
+    and `rows` the part of that module's output rows it computes (`None`: all), e.g. one head of `q_proj` in
+    single-head attention.
     """
 
-    def __init__(self, base: nn.Module) -> None:
+    def __init__(self, base: nn.Module, target: str | None = None, rows: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.base = base
+        self.target = target
+        self.rows = rows
         self.adapters = nn.ModuleDict()
         self.active: str | None = None
         self.merged: str | None = None

@@ -1,10 +1,9 @@
-"""PEFT LoRA adapter directories (`adapter_config.json` + `adapter_model.safetensors` or `.bin`) onto a model.
+"""Reading PEFT LoRA adapter directories (`adapter_config.json` + `adapter_model.safetensors` or `.bin`).
 
 The saved keys say which modules an adapter touches (`base_model.model.<module>.lora_A.weight`); the config
 gives each module's rank and alpha (`r`/`lora_alpha`, overridden per module by `rank_pattern`/`alpha_pattern`,
-matched on the module path's suffix as PEFT does) and whether rsLoRA scales by `alpha / sqrt(r)`. Everything is
-checked before the model changes: an adapter that does not fit raises `AdapterMismatchError` and leaves it as
-it was.
+matched on the module path's suffix as PEFT does) and whether rsLoRA scales by `alpha / sqrt(r)`. Reading needs
+no model; `etblocks.adapters.load` checks the result against one.
 """
 
 from __future__ import annotations
@@ -15,10 +14,9 @@ import re
 from pathlib import Path
 
 import torch
-from torch import nn
 
-from etblocks.adapters.lora import LoRALinear, LoRAWeights
-from etblocks.errors import AdapterMismatchError, ConfigError
+from etblocks.adapters.lora import LoRATensors
+from etblocks.errors import AdapterMismatchError
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -26,47 +24,22 @@ PREFIX = "base_model.model."
 _KEY = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B)\.weight$")
 
 
-def load_adapter(model: nn.Module, path: str | Path, name: str = "default", scale: float = 1.0) -> list[str]:
-    """Attach the PEFT LoRA adapter at `path` to `model` as `name` and make it the active one.
+def is_peft_dir(path: Path) -> bool:
+    return (path / CONFIG_FILE).is_file() and any((path / name).is_file() for name in WEIGHT_FILES)
 
-    `scale` multiplies the adapter's own scaling. Target `nn.Linear` modules become `LoRALinear` (a module
-    already wrapped gains one more adapter). Returns the adapted module names. Refused with
-    `AdapterMismatchError`, nothing changed: DoRA, `modules_to_save`, trained biases, target parameters (MoE
-    experts), a target the model lacks, shapes or ranks that do not fit, a corrupt weight file.
-    """
+
+def read_peft_adapter(path: str | Path) -> dict[str, LoRATensors]:
+    """`{module name: LoRATensors}` of the PEFT LoRA adapter directory `path`, module names as in the model
+    PEFT wrapped (`model.layers.0.self_attn.q_proj`). Refused with `AdapterMismatchError`: DoRA,
+    `modules_to_save`, trained biases, target parameters (MoE experts), layer-restricted adapters, ranks that
+    disagree with the config, a corrupt or foreign file."""
     path = Path(path)
-    if not path.is_dir():
-        raise ConfigError(f"path={str(path)!r} is not a directory; give a PEFT adapter directory (with {CONFIG_FILE})")
-    config = _read_config(path)
-    tensors = _read_weights(path)
-    layers = _layer_weights(model, config, tensors, path, scale)
-    for module_name, weights in layers.items():
-        module = model.get_submodule(module_name)
-        if isinstance(module, LoRALinear) and name in module.adapters:
-            raise AdapterMismatchError(f"{module_name} already has an adapter named {name!r}; give another name=")
-    for module_name, weights in layers.items():
-        module = model.get_submodule(module_name)
-        if not isinstance(module, LoRALinear):
-            module = LoRALinear(module)
-            parent, _, attr = module_name.rpartition(".")
-            setattr(model.get_submodule(parent), attr, module)
-        module.add_adapter(name, weights)
-    set_adapter(model, name)
-    return sorted(layers)
+    config = read_config(path)
+    return _layer_tensors(config, _read_weights(path), path)
 
 
-def set_adapter(model: nn.Module, name: str | None) -> None:
-    """Make adapter `name` active on every `LoRALinear` that has it (the others run their base alone);
-    `None` runs the base model."""
-    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
-    if name is not None and not any(name in m.adapters for m in layers):
-        known = sorted({n for m in layers for n in m.adapters})
-        raise ConfigError(f"name={name!r} is not a loaded adapter; loaded: {known}, or None for the base model")
-    for layer in layers:
-        layer.set_adapter(name if name in layer.adapters else None)
-
-
-def _read_config(path: Path) -> dict:
+def read_config(path: Path) -> dict:
+    """The directory's `adapter_config.json`, with the options etblocks cannot honour refused."""
     file = path / CONFIG_FILE
     try:
         config = json.loads(file.read_text())
@@ -86,6 +59,9 @@ def _read_config(path: Path) -> dict:
     for key, (refused, why) in refusals.items():
         if refused:
             raise AdapterMismatchError(f"{file}: {key}={config[key]!r}: {why}")
+    for key in ("r", "lora_alpha"):
+        if not isinstance(config.get(key), (int, float)):
+            raise AdapterMismatchError(f"{file}: {key}={config.get(key)!r}; a LoRA config needs a number there")
     return config
 
 
@@ -113,35 +89,26 @@ def _pattern_value(patterns: dict, module_name: str, default):
     return default
 
 
-def _layer_weights(model: nn.Module, config: dict, tensors: dict, path: Path, scale: float) -> dict[str, LoRAWeights]:
+def _layer_tensors(config: dict, tensors: dict, path: Path) -> dict[str, LoRATensors]:
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY.match(key[len(PREFIX):] if key.startswith(PREFIX) else key)
-        if match is None:
-            raise AdapterMismatchError(f"{path}: unexpected tensor {key!r}; a LoRA adapter holds only lora_A/lora_B weights")
+        if match is None or not isinstance(tensor, torch.Tensor) or tensor.dim() != 2:
+            raise AdapterMismatchError(f"{path}: unexpected tensor {key!r}; a LoRA adapter holds only 2-D lora_A/lora_B weights")
         parts.setdefault(match["module"], {})[match["part"]] = tensor
     if not parts:
         raise AdapterMismatchError(f"{path}: the weight file holds no lora_A/lora_B tensors")
-    modules = dict(model.named_modules())
     layers = {}
     for module_name, pair in sorted(parts.items()):
         if set(pair) != {"lora_A", "lora_B"}:
             raise AdapterMismatchError(f"{path}: {module_name} has only {sorted(pair)}; need lora_A and lora_B")
-        module = modules.get(module_name)
-        base = module.base if isinstance(module, LoRALinear) else module
-        if not isinstance(base, nn.Linear):
-            what = "is not in the model" if module is None else f"is a {type(module).__name__}, not a Linear"
-            raise AdapterMismatchError(f"{path}: target module {module_name} {what}; was this adapter made for this model?")
         rank = _pattern_value(config.get("rank_pattern") or {}, module_name, config["r"])
         alpha = _pattern_value(config.get("alpha_pattern") or {}, module_name, config["lora_alpha"])
         lora_A, lora_B = pair["lora_A"], pair["lora_B"]
-        expected = (rank, base.in_features), (base.out_features, rank)
-        if (tuple(lora_A.shape), tuple(lora_B.shape)) != expected:
+        if lora_A.shape[0] != rank or lora_B.shape[1] != rank:
             raise AdapterMismatchError(
-                f"{path}: {module_name} has lora_A {tuple(lora_A.shape)}, lora_B {tuple(lora_B.shape)}; the model's "
-                f"{base.in_features} -> {base.out_features} Linear at rank {rank} needs {expected[0]} and {expected[1]}"
+                f"{path}: {module_name} has lora_A {tuple(lora_A.shape)}, lora_B {tuple(lora_B.shape)}; its config "
+                f"says rank {rank}, which needs lora_A [{rank}, in] and lora_B [out, {rank}]"
             )
-        factor = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
-        dtype = base.weight.dtype
-        layers[module_name] = LoRAWeights(lora_A.to(dtype), lora_B.to(dtype), factor * scale)
+        layers[module_name] = LoRATensors(lora_A, lora_B, alpha / (math.sqrt(rank) if config.get("use_rslora") else rank))
     return layers
