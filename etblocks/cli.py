@@ -74,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="qnn: check every op of the program against ExecuTorch's QNN op builders and print the report "
         "instead of lowering (needs no Qualcomm SDK); exit code 1 if an op is not covered",
     )
+    export.add_argument(
+        "--adapter",
+        dest="adapters",
+        action="append",
+        metavar="NAME=DIR",
+        help="a LoRA adapter (PEFT or torchtune directory) to ship as <out stem>.NAME.ptd; repeat for more",
+    )
     _common(export)
     export.set_defaults(handler=cmd_export)
 
@@ -92,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--temperature", type=float, metavar="T", help="0 is greedy (default: 0)")
     run.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling mass in (0, 1] (default: 1)")
     run.add_argument("--seed", type=int, metavar="S", help="random seed for sampling")
+    run.add_argument("--adapter", metavar="NAME", help="run with this LoRA adapter: NAME (exported next to the .pte) or NAME=FILE.ptd")
+    run.add_argument("--adapter-scale", type=float, metavar="S", help="multiply the adapter's update by S (default: 1)")
     _common(run)
     run.set_defaults(handler=cmd_run)
 
@@ -121,7 +130,9 @@ def _options(command: str, args: argparse.Namespace, names: list[str]) -> Resolv
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    names = ["model", "backend", "out", "max_seq_len", "verify", "sdpa", "shapes", "chunk", "moe", "quantize", "check", "calibration"]
+    names = [
+        "model", "backend", "out", "max_seq_len", "verify", "sdpa", "shapes", "chunk", "moe", "quantize", "check", "calibration", "adapters",
+    ]
     options = _options("export", args, names)
     say = _progress()
     model_name = options["model"]
@@ -159,6 +170,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     moe_blocks = sum(isinstance(m, MoE) for m in model.modules())
     moe = f" and {moe_blocks} MoE blocks (moe={info.recipe.moe})" if moe_blocks else ""
     say(f"swapped {len(info.converted)} attention modules{moe} (sdpa={info.recipe.sdpa}, max_seq_len={info.max_seq_len})")
+    adapters = options["adapters"] or {}
+    if info.recipe.static and len(adapters) > 1:
+        raise ConfigError(
+            f"{options.where('adapters')}: a static program takes one adapter into its graph; adapters switched at "
+            f"run time need a dynamic program (--shapes dynamic, backend xnnpack or portable); got {sorted(adapters)}"
+        )
+    for name, directory in adapters.items():
+        layers = etblocks.load_adapter(model, directory, name=name)
+        say(f"loaded adapter {name!r} from {directory} ({len(layers)} layers)")
 
     if check:
         from etblocks.export.driver import check_qnn
@@ -229,9 +249,10 @@ def load_checkpoint(path: str | Path, dtype=None):
 
 
 def _export_summary(result, model_name: str, seconds: dict[str, float]) -> str:
+    from etblocks.export.adapters import ADAPTERS_METHOD
     from etblocks.export.contract import CONTRACT_METHOD, StaticContract
 
-    metadata = ", ".join(f"{k}={v}" for k, v in result.metadata.items() if k != CONTRACT_METHOD)
+    metadata = ", ".join(f"{k}={v}" for k, v in result.metadata.items() if k not in (CONTRACT_METHOD, ADAPTERS_METHOD))
     timings = ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items())
     weights = "RANDOM weights (demo model, for demonstration only)" if model_name == DEMO else f"from {model_name}"
     lines = [
@@ -245,6 +266,10 @@ def _export_summary(result, model_name: str, seconds: dict[str, float]) -> str:
         f"  time        {timings}",
         f"next: etblocks run --pte {result.path} --prompt-ids 1,2,3 --max-new-tokens 16",
     ]
+    for name, file in result.adapters.items():
+        lines.insert(-1, f"  adapter     {name}: {file} ({file.stat().st_size / 1e6:.3f} MB)")
+    if result.adapters:
+        lines[-1] += f" --adapter {next(iter(result.adapters))}"
     if CONTRACT_METHOD in result.metadata:
         lines.insert(-2, f"  contract    {StaticContract.from_constant(result.metadata[CONTRACT_METHOD])}")
     return "\n".join(lines)
@@ -254,7 +279,7 @@ def _export_summary(result, model_name: str, seconds: dict[str, float]) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    names = ["pte", "prompt_ids", "prompt", "tokenizer", "max_new_tokens", "temperature", "top_p", "seed"]
+    names = ["pte", "prompt_ids", "prompt", "tokenizer", "max_new_tokens", "temperature", "top_p", "seed", "adapter", "adapter_scale"]
     options = _options("run", args, names)
     if options["pte"] is None:
         raise ConfigError("pte is not set; give --pte model.pte (or `pte:` in a config file)")
@@ -277,6 +302,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     say(f"loading {options['pte']}")
     runner = load_runner(options["pte"])
+    if options["adapter"] is not None:
+        name, file = options["adapter"]
+        file = Path(file) if file else Path(options["pte"]).with_name(f"{Path(options['pte']).stem}.{name}.ptd")
+        scale = 1.0 if options["adapter_scale"] is None else options["adapter_scale"]
+        say(f"adapter {name!r} from {file} (scale {scale:g})")
+        runner.add_adapter(name, file, scale)
+        runner.set_adapter(name)
+    elif options["adapter_scale"] is not None:
+        raise ConfigError(f"adapter_scale ({options.where('adapter_scale')}) needs an adapter; give --adapter NAME")
     say(f"generating up to {options['max_new_tokens']} tokens after a prompt of {len(prompt_ids)}")
     start = time.perf_counter()
     new_ids = runner.generate(

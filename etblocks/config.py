@@ -13,6 +13,8 @@ chunk: 32              # the prefill method's fixed token count (static programs
 moe: gather            # MoE experts: gather (top-k only) or dense (every expert); omit for the recipe's choice
 quantize: 16a8w        # QnnQuantizer precision for static programs, or none; default: the recipe's
 check: false           # qnn: print the readiness report instead of lowering (no Qualcomm SDK needed)
+adapters:              # LoRA adapters (PEFT or torchtune directories) shipped as <out stem>.<name>.ptd files
+  chat: adapters/chat  # or, as the flag takes them, a list: ["chat=adapters/chat"]
 calibration: prompts.txt  # quantization calibration: one prompt of comma-separated token ids per line
 # run
 pte: model.pte         # defaults to `out` when only `out` is given
@@ -21,6 +23,8 @@ max_new_tokens: 32
 temperature: 0.0
 top_p: 1.0
 seed: 0
+adapter: chat          # run with this adapter: a name exported next to pte, or name=file.ptd
+adapter_scale: 1.0     # multiplies the adapter's update
 ```
 
 Flags given on the command line override the file. `null` (or an empty value) means "not set". Relative paths
@@ -86,6 +90,12 @@ def _choice(*choices: str) -> Callable[[Any], str]:
     return check
 
 
+def _number(value: Any) -> float:
+    if not _is_number(value):
+        raise _Rejected("give a number")
+    return float(value)
+
+
 def _temperature(value: Any) -> float:
     if not _is_number(value) or value < 0:
         raise _Rejected("give a number >= 0 (0 is greedy)")
@@ -113,6 +123,31 @@ def read_calibration(path: str | Path) -> list[list[int]]:
     if not prompts:
         raise ConfigError(f"calibration file {str(path)!r} holds no prompts; give one prompt of comma-separated token ids per line")
     return prompts
+
+
+def _adapter_dirs(value: Any) -> dict[str, str]:
+    """`{name: directory}` from a mapping or from "NAME=DIR" strings (the repeated flag)."""
+    accepted = 'give NAME=DIR entries such as ["chat=adapters/chat"], or a mapping {chat: adapters/chat}'
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        pairs = [v.split("=", 1) if "=" in v else [v, ""] for v in value]
+    elif isinstance(value, dict):
+        pairs = list(value.items())
+    else:
+        raise _Rejected(accepted)
+    if not pairs or not all(isinstance(n, str) and n.strip() and isinstance(d, str) and d.strip() for n, d in pairs):
+        raise _Rejected(accepted)
+    names = [n for n, _ in pairs]
+    if len(set(names)) != len(names):
+        raise _Rejected(f"adapter names must differ; got {names}")
+    return dict(pairs)
+
+
+def _adapter_choice(value: Any) -> tuple[str, str | None]:
+    """`(name, file or None)` from "NAME" (the file written next to the .pte) or "NAME=FILE.ptd"."""
+    name, _, file = _text(value).partition("=")
+    if not name.strip() or (_ and not file.strip()):
+        raise _Rejected("give an adapter name, or NAME=FILE.ptd")
+    return name, file or None
 
 
 def parse_prompt_ids(value: Any) -> list[int]:
@@ -153,6 +188,7 @@ OPTIONS: dict[str, Option] = {
         Option("quantize", "--quantize", ("export",), _choice("none", "16a8w", "16a4w", "8a8w")),
         Option("check", "--check", ("export",), _bool),
         Option("calibration", "--calibration", ("export",), _path),
+        Option("adapters", "--adapter", ("export",), _adapter_dirs),
         Option("pte", "--pte", ("run",), _path),
         Option("prompt_ids", "--prompt-ids", ("run",), parse_prompt_ids),
         Option("prompt", "--prompt", ("run",), _text),
@@ -161,6 +197,8 @@ OPTIONS: dict[str, Option] = {
         Option("temperature", "--temperature", ("run",), _temperature),
         Option("top_p", "--top-p", ("run",), _top_p),
         Option("seed", "--seed", ("run",), _int_at_least(0)),
+        Option("adapter", "--adapter", ("run",), _adapter_choice),
+        Option("adapter_scale", "--adapter-scale", ("run",), _number),
     )
 }
 

@@ -115,11 +115,35 @@ class LoRALinear(nn.Module):
         weight = self._base_weight()
         return weights.delta().to(weight.dtype).view(weight.shape)  # Conv2dLinear keeps [out, in, 1, 1]
 
+    @property
+    def max_rank(self) -> int:
+        return max((weights.rank for weights in self.adapters.values()), default=0)
+
+    def add_slot(self, rank: int) -> None:
+        """Run the LoRA path from two zeroed buffers, `slot_a [in, rank]` (A^T) and `slot_b [rank, out]` (scale *
+        B^T), instead of the named adapters: an exported program keeps them as mutable state that a method fills
+        at run time with any adapter of rank <= `rank` (zero-padded; all zeros is the base model)."""
+        if self.merged is not None:
+            raise ValueError(f"adapter {self.merged!r} is merged into the base; unmerge() before adding a slot")
+        dtype = self._base_weight().dtype
+        self.register_buffer("slot_a", torch.zeros(self.in_features, rank, dtype=dtype), persistent=False)
+        self.register_buffer("slot_b", torch.zeros(rank, self.out_features, dtype=dtype), persistent=False)
+
+    def remove_slot(self) -> None:
+        del self.slot_a, self.slot_b
+
+    @property
+    def has_slot(self) -> bool:
+        return "slot_a" in self._buffers
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
+        if self.has_slot:
+            return y + (x @ self.slot_a) @ self.slot_b
         if self.active is None or self.merged is not None:
             return y
         return y + self.adapters[self.active](x)
 
     def extra_repr(self) -> str:
-        return f"adapters={sorted(self.adapters)}, active={self.active!r}, merged={self.merged!r}"
+        slot = f", slot_rank={self.slot_a.shape[1]}" if self.has_slot else ""
+        return f"adapters={sorted(self.adapters)}, active={self.active!r}, merged={self.merged!r}{slot}"

@@ -10,7 +10,10 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
+from etblocks.adapters import adapter_names
+from etblocks.adapters.files import adapter_tensors, save_adapter_file
 from etblocks.errors import ConfigError
+from etblocks.export.adapters import ADAPTERS_METHOD, SET_ADAPTER_METHOD, adapter_slots, keep_slots_on_cpu, lora_layers, set_adapter_program
 from etblocks.export.backends import get_backend, partitioners_for
 from etblocks.export.delegation import DelegationSummary, summarize
 from etblocks.export.passes import BACKEND_PASSES
@@ -28,7 +31,8 @@ Progress = Callable[[str], None]
 
 @dataclass
 class ExportResult:
-    """`delegations` holds one summary per method; `delegation` adds them up."""
+    """`delegations` holds one summary per method; `delegation` adds them up. `adapters` maps each adapter
+    loaded into the model to its `.ptd` file (switched at run time by `Runner.set_adapter`)."""
 
     path: Path
     backend: str
@@ -37,6 +41,7 @@ class ExportResult:
     delegations: dict[str, DelegationSummary]
     seconds: dict[str, float] = field(default_factory=dict)
     quantize: str | None = None
+    adapters: dict[str, Path] = field(default_factory=dict)
 
     @property
     def delegation(self) -> DelegationSummary:
@@ -68,6 +73,11 @@ def export(
     `decode` over one copy of the weights, with the contract of `etblocks.export.contract` recorded in the
     program. Any backend takes either program, so an NPU swap can be checked on the host.
 
+    LoRA adapters loaded into the model (`etblocks.load_adapter`): a dynamic program gets LoRA slots and a
+    `set_adapter` method (see `etblocks.export.adapters`), and each adapter goes to its own file next to `out`
+    (`<stem>.<adapter name>.ptd`); the program starts as the base model. A static program takes the active
+    adapter into its weights' graph as constants.
+
     `quantize` (static programs): a QnnQuantizer precision ("16a8w", "16a4w", "8a8w") or None; "auto" takes the
     recipe's when exporting to the recipe's own backend (16a8w for qnn), else None. `calibration` holds token id
     lists run through the program to calibrate (default: `quantize.default_calibration_prompts`, seeded random ids).
@@ -78,6 +88,9 @@ def export(
     info = getattr(model, "etblocks_swap", None)
     if info is not None and info.recipe.partition == "hybrid":
         partitioners = [attention_on_cpu(p) for p in partitioners]
+    slotted = bool(lora_layers(model)) and not (info is not None and info.recipe.static)
+    if slotted:
+        partitioners = [keep_slots_on_cpu(p) for p in partitioners]
     start = time.perf_counter()
     program, exported, quantize = _export_methods(
         model, backend, max_seq_len, bos_id, eos_ids, vocab_size, quantize, calibration, say
@@ -102,13 +115,20 @@ def export(
 
     start = time.perf_counter()
     say("serializing")
-    executorch_program = edge.to_executorch(_backend_config())
+    executorch_program = edge.to_executorch(_backend_config(share_mutable_buffers=slotted))
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(executorch_program.buffer)
+    adapters = {}
+    if slotted:
+        for name in adapter_names(model):
+            adapters[name] = save_adapter_file(adapter_tensors(model, name), path.with_name(f"{path.stem}.{name}.ptd"))
     seconds["serialize"] = time.perf_counter() - start
-    result = ExportResult(path, backend, [*exported, *program.metadata], program.metadata, delegations, seconds, quantize)
+    methods = [*exported, *program.metadata]
+    result = ExportResult(path, backend, methods, program.metadata, delegations, seconds, quantize, adapters)
     say(f"wrote {path} ({result.size_mb:.1f} MB); {result.delegation}")
+    for name, file in adapters.items():
+        say(f"wrote adapter {name!r} to {file} ({file.stat().st_size / 1e6:.2f} MB)")
     return result
 
 
@@ -145,7 +165,14 @@ def _export_methods(model, backend, max_seq_len, bos_id, eos_ids, vocab_size, qu
             raise ConfigError(f"quantize={quantize!r} applies to static programs; swap with shapes='static' (or backend='qnn')")
         program = dynamic_program(model, max_seq_len, bos_id=bos_id, eos_ids=eos_ids, vocab_size=vocab_size)
         say(f"exporting with torch.export (T dynamic in 1..{program.max_call_len}, context {program.max_seq_len})")
-        return program, {"forward": _torch_export(program.module, program.example_inputs(), program.dynamic_shapes())}, None
+        if not lora_layers(program.module):
+            return program, {"forward": _torch_export(program.module, program.example_inputs(), program.dynamic_shapes())}, None
+        with adapter_slots(program.module) as table:
+            say(f"with LoRA slots in {len(table.slots)} layers and a {SET_ADAPTER_METHOD} method")
+            forward = _torch_export(program.module, program.example_inputs(), program.dynamic_shapes())
+            exported = {"forward": forward, SET_ADAPTER_METHOD: set_adapter_program(program.module, table, _torch_export)}
+        program.metadata[ADAPTERS_METHOD] = table.as_constant()
+        return program, exported, None
     quantize = _static_quantize(info.recipe, backend, quantize)
     calibration = None if calibration is None else [list(prompt) for prompt in calibration]
     program = static_program(model, max_seq_len, bos_id=bos_id, eos_ids=eos_ids, quantized=quantize is not None)
@@ -181,13 +208,15 @@ def _torch_export(module: nn.Module, example_inputs: tuple, dynamic_shapes=None)
         module.train(was_training)
 
 
-def _backend_config():
+def _backend_config(share_mutable_buffers: bool = False):
+    """`share_mutable_buffers`: methods that name the same buffer use one copy of it (LoRA slots)."""
     from executorch.exir import ExecutorchBackendConfig
     from executorch.exir.passes import MemoryPlanningPass
     from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
 
     return ExecutorchBackendConfig(
         extract_delegate_segments=True,
-        memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False),
+        memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False, share_mutable_buffers=share_mutable_buffers),
         sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass(),
+        emit_mutable_buffer_names=share_mutable_buffers,
     )

@@ -7,7 +7,10 @@ filled part of the cache are neither. Everything else of a static program is, so
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+from torch.export import ExportedProgram
 
 from etblocks.attention.sdpa import SDPA
 from etblocks.errors import ConfigError
@@ -39,6 +42,13 @@ def in_attention_core(node: torch.fx.Node, core: set[str]) -> bool:
 
 def attention_on_cpu(partitioner):
     """Wrap a configuration-based partitioner (XNNPACK's) so it leaves attention-core nodes on CPU."""
+    core = attention_core_types()
+    return keep_on_cpu(partitioner, lambda ep, node: in_attention_core(node, core), "partition='hybrid'")
+
+
+def keep_on_cpu(partitioner, rule: Callable[[ExportedProgram, torch.fx.Node], bool], why: str):
+    """Wrap a configuration-based partitioner so no partition holds a node for which `rule(ep, node)` holds;
+    the remaining matches are regrouped (convex partitions, as the partitioner itself would make them)."""
     from executorch.exir.backend.canonical_partitioners.config_partitioner import ConfigerationBasedPartitioner
     from executorch.exir.backend.canonical_partitioners.pattern_op_partitioner import (
         generate_grouped_partitions_from_list_of_nodes,
@@ -46,20 +56,17 @@ def attention_on_cpu(partitioner):
     from executorch.exir.backend.partitioner import Partitioner, PartitionResult
 
     if not isinstance(partitioner, ConfigerationBasedPartitioner):
-        raise ConfigError(
-            f"partition='hybrid' works with configuration-based partitioners (XNNPACK); got {type(partitioner).__name__}"
-        )
+        raise ConfigError(f"{why} works with configuration-based partitioners (XNNPACK); got {type(partitioner).__name__}")
 
-    class AttentionOnCpu(Partitioner):
+    class KeepOnCpu(Partitioner):
         def ops_to_not_decompose(self, ep):
             return partitioner.ops_to_not_decompose(ep)
 
         def partition(self, ep) -> PartitionResult:
-            core = attention_core_types()
             groups = [
                 group
                 for group in partitioner.get_matched_nodes_from_configs(ep)
-                if not any(in_attention_core(node, core) for node in group)
+                if not any(rule(ep, node) for node in group)
             ]
             tags = {}
             for found in generate_grouped_partitions_from_list_of_nodes(ep.graph_module, groups):
@@ -69,4 +76,4 @@ def attention_on_cpu(partitioner):
                 tags[tag] = partitioner.delegation_spec
             return PartitionResult(tagged_exported_program=ep, partition_tags=tags)
 
-    return AttentionOnCpu()
+    return KeepOnCpu()

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
+from etblocks.adapters.files import read_adapter_file
 from etblocks.errors import ConfigError, ContextOverflowError
+from etblocks.export.adapters import ADAPTERS_METHOD, SET_ADAPTER_METHOD, AdapterTable
 from etblocks.export.contract import CONTRACT_METHOD, StaticContract
 from etblocks.export.static_driver import StaticDriver, check_room
 
@@ -43,9 +45,19 @@ class Runner:
     absolute position carries across `generate` calls (a chat continues where it stopped); `reset()` starts a
     new sequence. `decode_tail` (static programs): a prompt remainder of at most this many tokens goes through
     `decode` token by token instead of a padded `prefill` (default: chunk // 8).
+
+    `adapters` (programs exported with LoRA adapters): `{name: adapter file}` or `{name: (file, scale)}`, read
+    into host memory now; `set_adapter(name | None)` switches between them and the base model without reloading
+    the program. The program starts as the base model.
     """
 
-    def __init__(self, path: str | Path, data_path: str | Path | None = None, decode_tail: int | None = None) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        data_path: str | Path | None = None,
+        decode_tail: int | None = None,
+        adapters: Mapping[str, str | Path | tuple[str | Path, float]] | None = None,
+    ) -> None:
         from executorch.runtime import Runtime
 
         from etblocks.attention.sdpa import load_llama_custom_ops
@@ -73,6 +85,41 @@ class Runner:
                 f"{path} has methods {sorted(methods)}; expected 'forward' with the LLM metadata methods, or an "
                 f"etblocks static program ('prefill', 'decode', '{CONTRACT_METHOD}')"
             )
+        self.adapter_table: AdapterTable | None = None
+        if ADAPTERS_METHOD in methods:
+            self.adapter_table = AdapterTable.from_constant(self.program.load_method(ADAPTERS_METHOD).execute([]))
+            self._set_slots = self.program.load_method(SET_ADAPTER_METHOD)
+        self._adapters: dict[str, list[torch.Tensor]] = {}
+        self.adapter: str | None = None
+        for name, file in (adapters or {}).items():
+            self.add_adapter(name, *(file if isinstance(file, tuple) else (file,)))
+
+    def add_adapter(self, name: str, path: str | Path, scale: float = 1.0) -> None:
+        """Read the adapter file at `path` (written by `etblocks.export`) as `name`, its update scaled by `scale`;
+        checked against the program's LoRA slots first (`AdapterMismatchError` if it does not fit). Adding a
+        name again replaces it (e.g. with another scale)."""
+        if self.adapter_table is None:
+            raise ConfigError(
+                "this program has no LoRA slots; load adapters into the model (etblocks.load_adapter) before "
+                "etblocks.export with a dynamic-shape backend"
+            )
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"name={name!r} is not accepted; give a non-empty adapter name")
+        self._adapters[name] = self.adapter_table.inputs(read_adapter_file(path), scale)
+
+    @property
+    def adapters(self) -> list[str]:
+        return sorted(self._adapters)
+
+    def set_adapter(self, name: str | None) -> None:
+        """Run with adapter `name` (None: the base model). Starts a new sequence: cached rows were computed
+        under the previous adapter."""
+        if name is not None and name not in self._adapters:
+            raise ConfigError(f"name={name!r} is not an added adapter; added: {self.adapters}, or None for the base model")
+        if self.adapter_table is not None:  # a program without slots is the base model already
+            self._set_slots.execute(self._adapters[name] if name is not None else self.adapter_table.inputs(None))
+        self.adapter = name
+        self.reset()
 
     def _constant(self, name: str, default=None):
         if name not in self.program.method_names:

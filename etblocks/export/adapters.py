@@ -1,0 +1,166 @@
+"""Adapters switched at run time: LoRA "slots" in the program, filled by its `set_adapter` method.
+
+Every `LoRALinear` of the model gets two zeroed mutable buffers (`slot_a = A^T`, `slot_b = scale * B^T`, padded
+to the largest rank loaded there). `forward` reads them; `set_adapter(a_0, b_0, a_1, b_1, ...)` copies new
+values in. Both methods share the buffers (`share_mutable_buffers`), so a switch is one call that moves the
+adapter's own bytes: the base is loaded and packed once. All-zero slots are the base model, which is also the
+state after loading. The slot table travels in the `etblocks_adapters` constant method so a runner pairs
+adapter files with slots without guessing.
+
+A delegate must not read the slots: it would serialize their initial zeros as constants and ignore every switch.
+`keep_slots_on_cpu` keeps the (small) LoRA matmuls outside XNNPACK; the base projections stay delegated.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from etblocks.adapters.lora import LoRALinear, LoRATensors
+from etblocks.errors import AdapterMismatchError, ConfigError
+from etblocks.export.hybrid import keep_on_cpu
+
+ADAPTERS_METHOD = "etblocks_adapters"
+SET_ADAPTER_METHOD = "set_adapter"
+SLOT_BUFFERS = ("slot_a", "slot_b")
+_VIEWS = ("view", "permute", "transpose", "expand", "clone", "alias", "squeeze", "unsqueeze", "reshape", "_to_copy")
+
+
+@dataclass(frozen=True)
+class AdapterSlot:
+    """One `LoRALinear` of the program: it computes output `rows` (None: all) of upstream module `target`."""
+
+    target: str
+    rows: tuple[int, int] | None
+    in_features: int
+    out_features: int
+    rank: int
+
+    def inputs(self, tensors: LoRATensors | None, scale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(slot_a [in, rank], slot_b [rank, out])` for this layer's part of `tensors` (None: zeros)."""
+        slot_a = torch.zeros(self.in_features, self.rank, dtype=dtype)
+        slot_b = torch.zeros(self.rank, self.out_features, dtype=dtype)
+        if tensors is not None:
+            lora_A, lora_B, factor = tensors
+            lora_B = lora_B if self.rows is None else lora_B[self.rows[0] : self.rows[1]]
+            rank = lora_A.shape[0]
+            slot_a[:, :rank] = lora_A.T
+            slot_b[:rank] = lora_B.T * (factor * scale)
+        return slot_a, slot_b
+
+
+@dataclass(frozen=True)
+class AdapterTable:
+    """The program's slots in `set_adapter`'s input order, and their dtype."""
+
+    slots: tuple[AdapterSlot, ...]
+    dtype: str
+
+    def inputs(self, tensors: dict[str, LoRATensors] | None, scale: float = 1.0) -> list[torch.Tensor]:
+        """`set_adapter`'s inputs for an adapter (`{target: LoRATensors}`; None: the base model), checked first:
+        `AdapterMismatchError` for a target the program lacks or a shape or rank that does not fit."""
+        if tensors is not None:
+            self.check(tensors)
+        dtype = getattr(torch, self.dtype)
+        return [t for slot in self.slots for t in slot.inputs(None if tensors is None else tensors.get(slot.target), scale, dtype)]
+
+    def check(self, tensors: dict[str, LoRATensors]) -> None:
+        by_target: dict[str, list[AdapterSlot]] = {}
+        for slot in self.slots:
+            by_target.setdefault(slot.target, []).append(slot)
+        for target, (lora_A, lora_B, _) in tensors.items():
+            slots = by_target.get(target)
+            if slots is None:
+                raise AdapterMismatchError(
+                    f"the adapter targets {target}, which has no LoRA slot in this program (slots: "
+                    f"{sorted(by_target)[:4]}{' ...' if len(by_target) > 4 else ''}); was it made for this base, and "
+                    "was an adapter with this target loaded before export?"
+                )
+            in_features = slots[0].in_features
+            out_features = max(s.rows[1] if s.rows else s.out_features for s in slots)
+            rank = min(s.rank for s in slots)
+            if lora_A.shape[1] != in_features or lora_B.shape[0] != out_features or lora_A.shape[0] > rank:
+                raise AdapterMismatchError(
+                    f"{target}: the adapter has lora_A {list(lora_A.shape)}, lora_B {list(lora_B.shape)}; this program's "
+                    f"slot takes lora_A [r, {in_features}] and lora_B [{out_features}, r] with r <= {rank}"
+                )
+
+    def to_json(self) -> str:
+        return json.dumps({"slots": [asdict(slot) for slot in self.slots], "dtype": self.dtype})
+
+    @classmethod
+    def from_json(cls, text: str) -> AdapterTable:
+        body = json.loads(text)
+        slots = tuple(AdapterSlot(**{**s, "rows": tuple(s["rows"]) if s["rows"] else None}) for s in body["slots"])
+        return cls(slots, body["dtype"])
+
+    def as_constant(self) -> list[int]:
+        return list(self.to_json().encode())
+
+    @classmethod
+    def from_constant(cls, values) -> AdapterTable:
+        return cls.from_json(bytes(int(v) for v in values).decode())
+
+
+def lora_layers(model: nn.Module) -> list[tuple[str, LoRALinear]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
+
+
+@contextmanager
+def adapter_slots(module: nn.Module) -> Iterator[AdapterTable]:
+    """Give every `LoRALinear` of `module` a zeroed slot of its largest rank while the block runs (export)."""
+    layers = lora_layers(module)
+    merged = [name for name, layer in layers if layer.merged is not None]
+    if merged:
+        raise ConfigError(f"{merged[0]} has adapter {layers[0][1].merged!r} merged into its base; unmerge() before exporting run-time adapters")
+    slots = []
+    for name, layer in layers:
+        layer.add_slot(layer.max_rank)
+        slots.append(AdapterSlot(layer.target or name, layer.rows, layer.in_features, layer.out_features, layer.max_rank))
+    dtype = str(layers[0][1].slot_a.dtype).removeprefix("torch.") if layers else "float32"
+    try:
+        yield AdapterTable(tuple(slots), dtype)
+    finally:
+        for _, layer in layers:
+            layer.remove_slot()
+
+
+def set_adapter_program(module: nn.Module, table: AdapterTable, export) -> torch.export.ExportedProgram:
+    """`set_adapter(*slot tensors)` exported from `module` itself, so its buffers have `forward`'s names (that is
+    what makes the two methods share them). `export(module, example_inputs)` is the driver's exporter."""
+    layers = [layer for _, layer in lora_layers(module)]
+
+    def set_slots(self, *tensors):
+        buffers = [getattr(layer, part) for layer in layers for part in SLOT_BUFFERS]  # read while tracing
+        for buffer, tensor in zip(buffers, tensors):
+            buffer.copy_(tensor)
+        return None  # returning an input would turn the copies into aliases the emitter drops
+
+    module.forward = types.MethodType(set_slots, module)
+    try:
+        return export(module, tuple(table.inputs(None)))
+    finally:
+        del module.forward
+
+
+def reads_slot(ep: torch.export.ExportedProgram, node: torch.fx.Node, depth: int = 3) -> bool:
+    """Whether `node` reads a slot buffer, directly or through view-like ops (a refused linear becomes
+    `permute(W)` + `mm`)."""
+    buffers = ep.graph_signature.inputs_to_buffers
+    for source in node.all_input_nodes:
+        if source.op == "placeholder" and buffers.get(source.name, "").rsplit(".", 1)[-1] in SLOT_BUFFERS:
+            return True
+        if depth and source.op == "call_function" and any(v in str(source.target) for v in _VIEWS):
+            if reads_slot(ep, source, depth - 1):
+                return True
+    return False
+
+
+def keep_slots_on_cpu(partitioner):
+    return keep_on_cpu(partitioner, reads_slot, "adapters switched at run time")
