@@ -12,19 +12,29 @@ from pathlib import Path
 from torch import nn
 
 from etblocks.adapters.lora import LoRALinear, LoRATensors, LoRAWeights
-from etblocks.adapters.peft import is_peft_dir, read_peft_adapter
+from etblocks.adapters.peft import CONFIG_FILE, WEIGHT_FILES, is_peft_dir, read_peft_adapter
+from etblocks.adapters.torchtune import WEIGHT_FILE as TORCHTUNE_WEIGHT_FILE
+from etblocks.adapters.torchtune import is_torchtune_dir, read_torchtune_adapter
 from etblocks.attention.conv import Conv2dLinear
 from etblocks.errors import AdapterMismatchError, ConfigError
 
 
 def read_adapter(model: nn.Module, path: str | Path) -> dict[str, LoRATensors]:
-    """The adapter at `path` as `{upstream module name: LoRATensors}`, whatever format it was saved in."""
+    """The adapter at `path` as `{upstream module name: LoRATensors}`, whatever format it was saved in.
+
+    torchtune's own `adapter_model.pt` wins over the PEFT copy its HF checkpointer writes next to it: that copy
+    has qwen2's q/k rows permuted for a rope qwen2 does not use (see `etblocks.adapters.torchtune`).
+    """
     path = Path(path)
+    expected = f"a PEFT adapter directory ({CONFIG_FILE} + one of {list(WEIGHT_FILES)}) or a torchtune checkpoint directory ({TORCHTUNE_WEIGHT_FILE} + {CONFIG_FILE})"
     if not path.is_dir():
-        raise ConfigError(f"path={str(path)!r} is not a directory; give a PEFT adapter directory (adapter_config.json + weights)")
+        raise ConfigError(f"path={str(path)!r} is not a directory; give {expected}")
+    if is_torchtune_dir(path):
+        return read_torchtune_adapter(model, path)
     if is_peft_dir(path):
         return read_peft_adapter(path)
-    return read_peft_adapter(path)  # names what a PEFT directory lacks
+    found = sorted(p.name for p in path.iterdir())
+    raise AdapterMismatchError(f"{path} holds {found}; expected {expected}")
 
 
 def load_adapter(model: nn.Module, path: str | Path, name: str = "default", scale: float = 1.0) -> list[str]:
