@@ -138,8 +138,10 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        if self.has_slot:
-            return y + (x @ self.slot_a) @ self.slot_b
+        if self.has_slot:  # batched matmuls over views of the slots: a delegate takes them as inputs, not constants
+            flat = x if x.dim() == 3 and x.shape[0] == 1 else x.reshape(1, -1, x.shape[-1])
+            delta = torch.bmm(torch.bmm(flat, self.slot_a[None]), self.slot_b[None])
+            return y + (delta if flat is x else delta.view(y.shape))
         if self.active is None or self.merged is not None:
             return y
         return y + self.adapters[self.active](x)

@@ -8,7 +8,8 @@ state after loading. The slot table travels in the `etblocks_adapters` constant 
 adapter files with slots without guessing.
 
 A delegate must not read the slots: it would serialize their initial zeros as constants and ignore every switch.
-`keep_slots_on_cpu` keeps the (small) LoRA matmuls outside XNNPACK; the base projections stay delegated.
+`keep_slots_on_cpu` leaves the ops that read them (the `[None]` views `LoRALinear` takes) on CPU, so the LoRA
+matmuls, delegated with everything else, receive the slots as run-time inputs.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from etblocks.export.hybrid import keep_on_cpu
 ADAPTERS_METHOD = "etblocks_adapters"
 SET_ADAPTER_METHOD = "set_adapter"
 SLOT_BUFFERS = ("slot_a", "slot_b")
-_VIEWS = ("view", "permute", "transpose", "expand", "clone", "alias", "squeeze", "unsqueeze", "reshape", "_to_copy")
 
 
 @dataclass(frozen=True)
@@ -100,12 +100,13 @@ class AdapterTable:
         slots = tuple(AdapterSlot(**{**s, "rows": tuple(s["rows"]) if s["rows"] else None}) for s in body["slots"])
         return cls(slots, body["dtype"])
 
-    def as_constant(self) -> list[int]:
-        return list(self.to_json().encode())
+    def as_constant(self) -> torch.Tensor:
+        """The JSON as a uint8 tensor: one constant-buffer entry (a list would cost one program value per byte)."""
+        return torch.tensor(list(self.to_json().encode()), dtype=torch.uint8)
 
     @classmethod
-    def from_constant(cls, values) -> AdapterTable:
-        return cls.from_json(bytes(int(v) for v in values).decode())
+    def from_constant(cls, value: torch.Tensor) -> AdapterTable:
+        return cls.from_json(value.numpy().tobytes().decode())
 
 
 def lora_layers(model: nn.Module) -> list[tuple[str, LoRALinear]]:
@@ -149,17 +150,13 @@ def set_adapter_program(module: nn.Module, table: AdapterTable, export) -> torch
         del module.forward
 
 
-def reads_slot(ep: torch.export.ExportedProgram, node: torch.fx.Node, depth: int = 3) -> bool:
-    """Whether `node` reads a slot buffer, directly or through view-like ops (a refused linear becomes
-    `permute(W)` + `mm`)."""
+def reads_slot(ep: torch.export.ExportedProgram, node: torch.fx.Node) -> bool:
+    """Whether `node` takes a slot buffer itself as an input."""
     buffers = ep.graph_signature.inputs_to_buffers
-    for source in node.all_input_nodes:
-        if source.op == "placeholder" and buffers.get(source.name, "").rsplit(".", 1)[-1] in SLOT_BUFFERS:
-            return True
-        if depth and source.op == "call_function" and any(v in str(source.target) for v in _VIEWS):
-            if reads_slot(ep, source, depth - 1):
-                return True
-    return False
+    return any(
+        source.op == "placeholder" and buffers.get(source.name, "").rsplit(".", 1)[-1] in SLOT_BUFFERS
+        for source in node.all_input_nodes
+    )
 
 
 def keep_slots_on_cpu(partitioner):

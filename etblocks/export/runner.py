@@ -87,7 +87,7 @@ class Runner:
             )
         self.adapter_table: AdapterTable | None = None
         if ADAPTERS_METHOD in methods:
-            self.adapter_table = AdapterTable.from_constant(self.program.load_method(ADAPTERS_METHOD).execute([]))
+            self.adapter_table = AdapterTable.from_constant(self.program.load_method(ADAPTERS_METHOD).execute([])[0])
             self._set_slots = self.program.load_method(SET_ADAPTER_METHOD)
         self._adapters: dict[str, list[torch.Tensor]] = {}
         self.adapter: str | None = None

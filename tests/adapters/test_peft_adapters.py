@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from hf_models import assert_untouched, hf_greedy, prompt_ids, snapshot_of, tiny_model
+from hf_models import assert_untouched, prompt_ids, snapshot_of, tiny_model
 from peft import LoraConfig, PeftModel, get_peft_model
 
 import etblocks
@@ -102,22 +102,6 @@ def test_user_scale_and_merge(adapters):
     for layer, weight in zip(layers, before):
         layer.unmerge()
         assert torch.allclose(layer.base.weight, weight, atol=1e-6)
-
-
-@pytest.mark.slow
-def test_exported_program_with_an_adapter_matches_peft_generate(adapters, tmp_path):
-    """The active adapter goes into the program with the base (separate files come with the LoRA export)."""
-    base, dirs = adapters
-    reference = peft_reference(base, dirs)
-    reference.set_adapter("B")
-    model = copy.deepcopy(base)
-    etblocks.swap(model, backend="xnnpack", max_seq_len=64)
-    load_adapter(model, dirs["B"], name="B")
-    result = etblocks.export(model, backend="xnnpack", out=tmp_path / "lora.pte")
-    prompt = prompt_ids(12)
-    expected = hf_greedy(reference, prompt, 32)
-    assert expected != hf_greedy(base, prompt, 32)
-    assert etblocks.Runner(result.path).generate(prompt[0].tolist(), max_new_tokens=32) == expected
 
 
 def test_adapters_that_do_not_fit_are_refused(adapters, tmp_path):

@@ -1,0 +1,151 @@
+"""Adapters as separate files over one exported base, switched at run time, against `peft.PeftModel`.
+
+Tiny llama and qwen3 with two PEFT adapters (A: rank and alpha patterns on four module kinds; B: rsLoRA on every
+linear). One XNNPACK program with LoRA slots and a file per adapter; one Runner switches A, B, none and A again
+without reloading: last-token logits equal PeftModel's (fp32, atol 1e-4) and 32 greedy tokens equal its
+`generate`, none equals the base model's own program. The base file is the base's size and each adapter file
+about its tensors; adapter files that do not fit the program are refused and change nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+
+import pytest
+import torch
+from hf_models import hf_greedy, prompt_ids, tiny_model
+from safetensors.torch import load_file
+from test_peft_adapters import ADAPTERS, make_adapter, peft_reference
+
+import etblocks
+from etblocks.adapters.files import adapter_tensors, save_adapter_file
+from etblocks.adapters.peft import read_peft_adapter
+from etblocks.errors import AdapterMismatchError, ConfigError
+from etblocks.export.adapters import adapter_slots, lora_layers
+
+ATOL = 1e-4  # the exported program (XNNPACK base, portable LoRA matmuls) vs eager PEFT
+CONTEXT = 64
+
+
+def test_slots_compute_what_the_named_adapters_compute(tmp_path):
+    """Eager: the slot form filled with an adapter's `set_adapter` inputs equals the adapter itself; zero slots
+    equal the base."""
+    base = tiny_model("llama")
+    make_adapter(base, tmp_path / "B", 1, **ADAPTERS["B"])
+    model = etblocks.swap(copy.deepcopy(base), backend="xnnpack", max_seq_len=CONTEXT)
+    etblocks.load_adapter(model, tmp_path / "B", name="B")
+    tokens = prompt_ids(10)
+    with torch.no_grad():
+        expected = model(tokens).logits
+        with adapter_slots(model) as table:
+            for slot_buffer, value in zip(slot_buffers(model), table.inputs(adapter_tensors(model, "B"))):
+                slot_buffer.copy_(value)
+            assert (model(tokens).logits - expected).abs().max().item() <= ATOL
+            for slot_buffer in slot_buffers(model):
+                slot_buffer.zero_()
+            assert (model(tokens).logits - base(tokens).logits).abs().max().item() <= ATOL
+    assert not any(layer.has_slot for _, layer in lora_layers(model))
+
+
+def slot_buffers(model):
+    return [getattr(layer, part) for _, layer in lora_layers(model) for part in ("slot_a", "slot_b")]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def exported(request, tmp_path_factory):
+    """(base, PeftModel with A and B, the adapter program's ExportResult, the base-only program, adapter dirs)."""
+    base = tiny_model(request.param)
+    root = tmp_path_factory.mktemp(f"lora-{request.param}")
+    for seed, (name, options) in enumerate(ADAPTERS.items()):
+        make_adapter(base, root / name, seed, **options)
+    dirs = {name: root / name for name in ADAPTERS}
+    model = copy.deepcopy(base)
+    etblocks.swap(model, backend="xnnpack", max_seq_len=CONTEXT)
+    for name in ADAPTERS:
+        etblocks.load_adapter(model, dirs[name], name=name)
+    result = etblocks.export(model, backend="xnnpack", out=root / "model.pte")
+    plain = etblocks.swap(copy.deepcopy(base), backend="xnnpack", max_seq_len=CONTEXT)
+    base_result = etblocks.export(plain, backend="xnnpack", out=root / "base.pte")
+    return base, peft_reference(base, dirs), result, base_result, dirs
+
+
+@contextmanager
+def peft_with(reference, name: str | None):
+    if name is None:
+        with reference.disable_adapter():
+            yield reference
+    else:
+        reference.set_adapter(name)
+        yield reference
+
+
+@pytest.mark.slow
+def test_switching_adapters_matches_peft(exported):
+    base, reference, result, base_result, _ = exported
+    assert set(result.adapters) == set(ADAPTERS)
+    runner = etblocks.Runner(result.path, adapters=result.adapters)
+    program = runner.program
+    prompt = prompt_ids(12)
+    base_tokens = etblocks.Runner(base_result.path).generate(prompt[0].tolist(), max_new_tokens=32)
+    assert base_tokens == hf_greedy(base, prompt, 32)
+    seen = {}
+    for name in ("A", "B", None, "A"):
+        runner.set_adapter(name)
+        with peft_with(reference, name) as model, torch.no_grad():
+            expected_logits = model(prompt).logits[0, -1]
+            expected = hf_greedy(model, prompt, 32)
+        logits = runner.forward(prompt[0].tolist())
+        assert (logits - expected_logits).abs().max().item() <= ATOL, name
+        runner.reset()
+        tokens = runner.generate(prompt[0].tolist(), max_new_tokens=32)
+        assert tokens == expected, name
+        seen[name] = tokens
+    assert seen[None] == base_tokens
+    assert len({tuple(tokens) for tokens in seen.values()}) == 3, "each adapter must change the output"
+    assert runner.program is program  # switched in place, never reloaded
+
+
+@pytest.mark.slow
+def test_base_and_adapter_file_sizes(exported):
+    _, _, result, base_result, dirs = exported
+    slots = len(etblocks.Runner(result.path).adapter_table.slots)
+    slots_overhead = result.path.stat().st_size - base_result.path.stat().st_size
+    assert 0 <= slots_overhead <= 3000 * slots, f"{slots} slots and the set_adapter method add {slots_overhead} B"
+    for name, file in result.adapters.items():
+        peft_bytes = sum(t.numel() * t.element_size() for t in load_file(dirs[name] / "adapter_model.safetensors").values())
+        overhead = file.stat().st_size - peft_bytes
+        assert 0 <= overhead <= 4096 + 32 * len(read_peft_adapter(dirs[name])), f"{name}: {overhead} B beyond its tensors"
+
+
+@pytest.mark.slow
+def test_adapter_files_that_do_not_fit_are_refused(exported, tmp_path):
+    _, _, result, base_result, _ = exported
+    runner = etblocks.Runner(result.path, adapters={"A": result.adapters["A"]})
+    model_type = runner.adapter_table.slots[0].target  # any target: the tiny models share names
+    assert model_type.startswith("model.layers.0.")
+
+    def file_for(name: str, base: torch.nn.Module, **options):
+        make_adapter(base, tmp_path / name, 0, **options)
+        return save_adapter_file(read_peft_adapter(tmp_path / name), tmp_path / f"{name}.ptd")
+
+    wider = file_for("wider", tiny_model("llama", hidden_size=96), r=4, lora_alpha=8, target_modules=["q_proj"])
+    with pytest.raises(AdapterMismatchError, match=r"self_attn\.q_proj: the adapter has lora_A \[4, 96\].*lora_A \[r, 64\]"):
+        runner.add_adapter("W", wider)
+    deeper = file_for("deeper", tiny_model("llama", num_hidden_layers=3), r=4, lora_alpha=8, target_modules=["q_proj"])
+    with pytest.raises(AdapterMismatchError, match=r"targets model\.layers\.2\.self_attn\.q_proj, which has no LoRA slot"):
+        runner.add_adapter("D", deeper)
+    larger = file_for("larger", tiny_model("llama"), r=16, lora_alpha=8, target_modules=["q_proj"])
+    with pytest.raises(AdapterMismatchError, match=r"r <= 8"):
+        runner.add_adapter("L", larger)
+    corrupt = tmp_path / "corrupt.ptd"
+    corrupt.write_bytes(result.adapters["A"].read_bytes()[:100])
+    with pytest.raises(AdapterMismatchError, match="is not an etblocks adapter file"):
+        runner.add_adapter("C", corrupt)
+    with pytest.raises(AdapterMismatchError, match="does not exist"):
+        runner.add_adapter("M", tmp_path / "missing.ptd")
+    assert runner.adapters == ["A"]
+    with pytest.raises(ConfigError, match=r"name='B' is not an added adapter; added: \['A'\]"):
+        runner.set_adapter("B")
+    with pytest.raises(ConfigError, match="this program has no LoRA slots"):
+        etblocks.Runner(base_result.path).add_adapter("A", result.adapters["A"])
