@@ -359,3 +359,50 @@ def test_backends_table(monkeypatch, capsys):
     assert "max abs err vs eager" in " ".join(rows["xnnpack"])
     assert set(rows) >= {"openvino", "coreml", "vulkan", "qnn"}
     assert rows["qnn"][2] == "no" and "needs QNN_SDK_ROOT" in " ".join(rows["qnn"])
+
+
+# ------------------------------------------------------------------------------------------ adapters
+
+
+@pytest.mark.slow
+def test_export_and_run_with_adapters_matches_peft(demo_hf, tmp_path, capsys):
+    """`export --adapter NAME=DIR` twice ships two .ptd files next to the .pte; `run --adapter NAME` generates
+    PeftModel's tokens with that adapter, and `--adapter-scale 0` the base model's."""
+    from peft_refs import ADAPTERS, make_adapter, peft_reference
+
+    dirs = {}
+    for seed, (name, options) in enumerate(ADAPTERS.items()):
+        make_adapter(demo_hf, tmp_path / name, seed, **options)
+        dirs[name] = tmp_path / name
+    pte = tmp_path / "demo.pte"
+    args = ["export", "--model", "demo", "--out", str(pte), "--max-seq-len", str(MAX_SEQ_LEN)]
+    assert main(args + [f"--adapter={name}={path}" for name, path in dirs.items()]) == 0
+    out = capsys.readouterr().out
+    for name in ADAPTERS:
+        assert (tmp_path / f"demo.{name}.ptd").is_file()
+        assert re.search(rf"adapter\s+{name}: .*demo\.{name}\.ptd \(0\.\d+ MB\)", out), out
+    reference = peft_reference(demo_hf, dirs)
+    for name in ADAPTERS:
+        reference.set_adapter(name)
+        assert main(["run", "--pte", str(pte), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "12", "--adapter", name]) == 0
+        assert ids_line(capsys.readouterr().out, "generated ids") == hf_greedy(reference, PROMPT, 12), name
+    assert main(["run", "--pte", str(pte), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "12",
+                 "--adapter", f"B={tmp_path / 'demo.B.ptd'}", "--adapter-scale", "0"]) == 0
+    assert ids_line(capsys.readouterr().out, "generated ids") == hf_greedy(demo_hf, PROMPT, 12)
+    assert main(["run", "--pte", str(pte), "--prompt-ids", "1", "--adapter", "C"]) == 2
+    assert "demo.C.ptd does not exist" in error_line(capsys.readouterr().err)
+
+
+def test_adapter_option_errors_exit_2(tmp_path, capsys):
+    cases = [
+        (["export", "--model", "demo", "--adapter", "=dir"], "--adapter: adapters=['=dir']"),
+        (["export", "--model", "demo", "--adapter", "a=x", "--adapter", "a=y"], "adapter names must differ"),
+        (["export", "--model", "demo", "--adapter", f"a={tmp_path / 'none'}"], "is not a directory"),
+        (["export", "--model", "demo", "--shapes", "static", "--adapter", "a=x", "--adapter", "b=y"], "a static program takes one adapter"),
+        (["run", "--pte", "x.pte", "--prompt-ids", "1", "--adapter", "a="], "--adapter: adapter='a='"),
+        (["run", "--pte", str(tmp_path / "x.pte"), "--prompt-ids", "1", "--adapter-scale", "2"], "x.pte' is not a file"),
+    ]
+    for args, expected in cases:
+        assert main(args) == 2, args
+        err = error_line(capsys.readouterr().err)
+        assert expected in err, (args, err)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from hf_models import hf_greedy, prompt_ids, tiny_model
 from safetensors.torch import load_file
-from test_peft_adapters import ADAPTERS, make_adapter, peft_reference
+from peft_refs import ADAPTERS, make_adapter, peft_reference
 
 import etblocks
 from etblocks.adapters.files import adapter_tensors, save_adapter_file

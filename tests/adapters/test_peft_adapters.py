@@ -10,32 +10,13 @@ import json
 import pytest
 import torch
 from hf_models import assert_untouched, prompt_ids, snapshot_of, tiny_model
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft_refs import ADAPTERS, make_adapter, peft_reference
 
 import etblocks
 from etblocks.adapters import LoRALinear, load_adapter, set_adapter
 from etblocks.errors import AdapterMismatchError
 
 ATOL = 1e-5
-# A: rank and alpha patterns on a subset of modules. B: rsLoRA on every linear layer.
-ADAPTERS = {
-    "A": dict(
-        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
-        rank_pattern={"v_proj": 2}, alpha_pattern={"down_proj": 32},
-    ),
-    "B": dict(r=8, lora_alpha=4, use_rslora=True, target_modules="all-linear"),
-}
-
-
-def make_adapter(base: torch.nn.Module, directory, seed: int, **options) -> None:
-    """Train nothing: random A and B (`init_lora_weights=False`) so the adapter changes the outputs."""
-    torch.manual_seed(seed)
-    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(init_lora_weights=False, **options))
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_" in name:
-                param.normal_(0, 0.2)
-    peft_model.save_pretrained(directory)
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +26,6 @@ def adapters(tmp_path_factory):
     for seed, (name, options) in enumerate(ADAPTERS.items()):
         make_adapter(base, root / name, seed, **options)
     return base, {name: root / name for name in ADAPTERS}
-
-
-def peft_reference(base, dirs) -> PeftModel:
-    model = PeftModel.from_pretrained(copy.deepcopy(base), dirs["A"], adapter_name="A")
-    model.load_adapter(dirs["B"], adapter_name="B")
-    return model.eval()
 
 
 def _logits(model, tokens):
