@@ -170,13 +170,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     moe_blocks = sum(isinstance(m, MoE) for m in model.modules())
     moe = f" and {moe_blocks} MoE blocks (moe={info.recipe.moe})" if moe_blocks else ""
     say(f"swapped {len(info.converted)} attention modules{moe} (sdpa={info.recipe.sdpa}, max_seq_len={info.max_seq_len})")
-    adapters = options["adapters"] or {}
-    if info.recipe.static and len(adapters) > 1:
-        raise ConfigError(
-            f"{options.where('adapters')}: a static program takes one adapter into its graph; adapters switched at "
-            f"run time need a dynamic program (--shapes dynamic, backend xnnpack or portable); got {sorted(adapters)}"
-        )
-    for name, directory in adapters.items():
+    for name, directory in (options["adapters"] or {}).items():
         layers = etblocks.load_adapter(model, directory, name=name)
         say(f"loaded adapter {name!r} from {directory} ({len(layers)} layers)")
 

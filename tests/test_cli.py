@@ -398,7 +398,6 @@ def test_adapter_option_errors_exit_2(tmp_path, capsys):
         (["export", "--model", "demo", "--adapter", "=dir"], "--adapter: adapters=['=dir']"),
         (["export", "--model", "demo", "--adapter", "a=x", "--adapter", "a=y"], "adapter names must differ"),
         (["export", "--model", "demo", "--adapter", f"a={tmp_path / 'none'}"], "is not a directory"),
-        (["export", "--model", "demo", "--shapes", "static", "--adapter", "a=x", "--adapter", "b=y"], "a static program takes one adapter"),
         (["run", "--pte", "x.pte", "--prompt-ids", "1", "--adapter", "a="], "--adapter: adapter='a='"),
         (["run", "--pte", str(tmp_path / "x.pte"), "--prompt-ids", "1", "--adapter-scale", "2"], "x.pte' is not a file"),
     ]

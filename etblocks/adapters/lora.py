@@ -64,6 +64,7 @@ class LoRALinear(nn.Module):
         self.base = base
         self.target = target
         self.rows = rows
+        self.slot_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
         self.adapters = nn.ModuleDict()
         self.active: str | None = None
         self.merged: str | None = None
@@ -137,10 +138,13 @@ class LoRALinear(nn.Module):
         return "slot_a" in self._buffers
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`slot_inputs` (a static program's `(slot_a, slot_b)` inputs, set by the program for one call) come
+        first, then the slot buffers, then the named adapters."""
         y = self.base(x)
-        if self.has_slot:  # batched matmuls over views of the slots: a delegate takes them as inputs, not constants
+        slots = self.slot_inputs or ((self.slot_a, self.slot_b) if self.has_slot else None)
+        if slots is not None:  # batched matmuls over views of the slots: a delegate takes them as inputs, not constants
             flat = x if x.dim() == 3 and x.shape[0] == 1 else x.reshape(1, -1, x.shape[-1])
-            delta = torch.bmm(torch.bmm(flat, self.slot_a[None]), self.slot_b[None])
+            delta = torch.bmm(torch.bmm(flat, slots[0][None]), slots[1][None])
             return y + (delta if flat is x else delta.view(y.shape))
         if self.active is None or self.merged is not None:
             return y

@@ -1,15 +1,17 @@
-"""Adapters switched at run time: LoRA "slots" in the program, filled by its `set_adapter` method.
+"""Adapters switched at run time: every `LoRALinear` computes its LoRA path from a "slot", `slot_a = A^T
+[in, r]` and `slot_b = scale * B^T [r, out]`, zero-padded to the largest rank loaded there (all zeros is the
+base model).
 
-Every `LoRALinear` of the model gets two zeroed mutable buffers (`slot_a = A^T`, `slot_b = scale * B^T`, padded
-to the largest rank loaded there). `forward` reads them; `set_adapter(a_0, b_0, a_1, b_1, ...)` copies new
-values in. Both methods share the buffers (`share_mutable_buffers`), so a switch is one call that moves the
-adapter's own bytes: the base is loaded and packed once. All-zero slots are the base model, which is also the
-state after loading. The slot table travels in the `etblocks_adapters` constant method so a runner pairs
-adapter files with slots without guessing.
+- Dynamic programs keep the slots as mutable buffers that a second method, `set_adapter(a_0, b_0, a_1, ...)`,
+  copies new values into. Both methods share them (`share_mutable_buffers`), so a switch is one call moving the
+  adapter's own bytes; the base is loaded and packed once. The slot table travels in the `etblocks_adapters`
+  constant method.
+- Static programs take the slots as their last inputs (`SlotInputs`): NPUs hold no state between calls, so the
+  runner passes the active adapter's slots with every `prefill` and `decode`. The table is in the contract.
 
-A delegate must not read the slots: it would serialize their initial zeros as constants and ignore every switch.
-`keep_slots_on_cpu` leaves the ops that read them (the `[None]` views `LoRALinear` takes) on CPU, so the LoRA
-matmuls, delegated with everything else, receive the slots as run-time inputs.
+A delegate must not read slot buffers: it would serialize their initial zeros as constants and ignore every
+switch. `keep_slots_on_cpu` leaves the ops that read them (the `[None]` views `LoRALinear` takes) on CPU, so the
+LoRA matmuls, delegated with everything else, receive the slots as run-time inputs.
 """
 
 from __future__ import annotations
@@ -113,23 +115,52 @@ def lora_layers(model: nn.Module) -> list[tuple[str, LoRALinear]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
 
 
+def adapter_table(module: nn.Module, dtype: torch.dtype | None = None) -> AdapterTable:
+    """The slots `module`'s `LoRALinear` layers need, each of its largest loaded rank."""
+    layers = lora_layers(module)
+    merged = [(name, layer.merged) for name, layer in layers if layer.merged is not None]
+    if merged:
+        raise ConfigError(f"{merged[0][0]} has adapter {merged[0][1]!r} merged into its base; unmerge() before exporting adapters")
+    slots = tuple(
+        AdapterSlot(layer.target or name, layer.rows, layer.in_features, layer.out_features, layer.max_rank) for name, layer in layers
+    )
+    dtype = dtype or (layers[0][1].base.weight.dtype if layers else torch.float32)
+    return AdapterTable(slots, str(dtype).removeprefix("torch."))
+
+
 @contextmanager
 def adapter_slots(module: nn.Module) -> Iterator[AdapterTable]:
-    """Give every `LoRALinear` of `module` a zeroed slot of its largest rank while the block runs (export)."""
-    layers = lora_layers(module)
-    merged = [name for name, layer in layers if layer.merged is not None]
-    if merged:
-        raise ConfigError(f"{merged[0]} has adapter {layers[0][1].merged!r} merged into its base; unmerge() before exporting run-time adapters")
-    slots = []
-    for name, layer in layers:
-        layer.add_slot(layer.max_rank)
-        slots.append(AdapterSlot(layer.target or name, layer.rows, layer.in_features, layer.out_features, layer.max_rank))
-    dtype = str(layers[0][1].slot_a.dtype).removeprefix("torch.") if layers else "float32"
+    """Give every `LoRALinear` of `module` a zeroed slot buffer of its largest rank while the block runs (export)."""
+    table = adapter_table(module)
+    layers = [layer for _, layer in lora_layers(module)]
+    for layer, slot in zip(layers, table.slots):
+        layer.add_slot(slot.rank)
     try:
-        yield AdapterTable(tuple(slots), dtype)
+        yield table
     finally:
-        for _, layer in layers:
+        for layer in layers:
             layer.remove_slot()
+
+
+class SlotInputs(nn.Module):
+    """A static program with the LoRA slots as its last inputs, `(slot_a, slot_b)` per `LoRALinear` in table
+    order: NPUs hold no state between calls, so the runner passes the active adapter's slots with every call."""
+
+    def __init__(self, program: nn.Module, n_inputs: int) -> None:
+        super().__init__()
+        self.program = program
+        self.n_inputs = n_inputs
+        self._layers = [layer for _, layer in lora_layers(program)]  # registered under `program`
+
+    def forward(self, *inputs: torch.Tensor):
+        fixed, slots = inputs[: self.n_inputs], inputs[self.n_inputs :]
+        for i, layer in enumerate(self._layers):
+            layer.slot_inputs = (slots[2 * i], slots[2 * i + 1])
+        try:
+            return self.program(*fixed)
+        finally:
+            for layer in self._layers:
+                layer.slot_inputs = None
 
 
 def set_adapter_program(module: nn.Module, table: AdapterTable, export) -> torch.export.ExportedProgram:

@@ -7,6 +7,8 @@ A static program has fixed shapes. With caller-owned ("io") caches its methods t
   of each (`[1, T, Hkv, Dk]`, `[1, T, Hkv, Dv]`).
 With in-place caches (hybrid partition) they take `(tokens int64 [1, T], input_pos int64 [1])` and return the
 last token's logits `[1, V]`, like the dynamic contract at fixed T.
+A program exported with LoRA adapters takes, after those, the slots of the active adapter: `slot_a [in, r]` and
+`slot_b [r, out]` per entry of `adapters` (see `etblocks.export.adapters`; zeros: the base model).
 
 The contract travels as JSON in the program's `etblocks_contract` method, so a runner never guesses.
 """
@@ -17,6 +19,8 @@ import json
 from dataclasses import asdict, dataclass
 
 import torch
+
+from etblocks.export.adapters import AdapterSlot, AdapterTable
 
 CONTRACT_METHOD = "etblocks_contract"
 CONTRACT_VERSION = "etblocks.static/1"
@@ -53,6 +57,7 @@ class StaticContract:
     mask_value: float  # what masked mask entries hold
     groups: tuple[CacheGroup, ...] = ()
     layers: tuple[LayerCache, ...] = ()
+    adapters: tuple[AdapterSlot, ...] = ()
 
     @property
     def methods(self) -> dict[str, int]:
@@ -62,6 +67,10 @@ class StaticContract:
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
+
+    @property
+    def adapter_table(self) -> AdapterTable:
+        return AdapterTable(self.adapters, self.dtype)
 
     def group(self, name: str) -> CacheGroup:
         return next(g for g in self.groups if g.name == name)
@@ -75,10 +84,11 @@ class StaticContract:
         return shapes
 
     def inputs(self) -> list[str]:
+        slots = [f"slot_{ab}.{i}" for i in range(len(self.adapters)) for ab in ("a", "b")]
         if self.cache == "inplace":
-            return ["tokens", "input_pos"]
+            return ["tokens", "input_pos", *slots]
         caches = [f"{kv}_cache.{i}" for i in range(len(self.layers)) for kv in ("k", "v")]
-        return ["tokens", "positions", *(f"mask.{g.name}" for g in self.groups), *caches]
+        return ["tokens", "positions", *(f"mask.{g.name}" for g in self.groups), *caches, *slots]
 
     def outputs(self) -> list[str]:
         if self.cache == "inplace":
@@ -90,7 +100,8 @@ class StaticContract:
             f"{g.name} ({g.length} rows) x{sum(layer.group == g.name for layer in self.layers)} layers" for g in self.groups
         )
         caches = f"{self.cache} caches ({self.dtype})" + (f": {groups}" if groups else "")
-        return f"prefill T={self.chunk}, decode T=1, context {self.max_context_len}, {caches}"
+        slots = f", LoRA slots in {len(self.adapters)} layers" if self.adapters else ""
+        return f"prefill T={self.chunk}, decode T=1, context {self.max_context_len}, {caches}{slots}"
 
     def to_json(self) -> str:
         body = asdict(self)
@@ -111,6 +122,7 @@ class StaticContract:
             mask_value=body["mask_value"],
             groups=tuple(CacheGroup(**g) for g in body["groups"]),
             layers=tuple(LayerCache(**layer) for layer in body["layers"]),
+            adapters=AdapterTable.from_json(json.dumps({"slots": body.get("adapters", []), "dtype": body["dtype"]})).slots,
         )
 
     def as_constant(self) -> list[int]:

@@ -73,10 +73,11 @@ def export(
     `decode` over one copy of the weights, with the contract of `etblocks.export.contract` recorded in the
     program. Any backend takes either program, so an NPU swap can be checked on the host.
 
-    LoRA adapters loaded into the model (`etblocks.load_adapter`): a dynamic program gets LoRA slots and a
-    `set_adapter` method (see `etblocks.export.adapters`), and each adapter goes to its own file next to `out`
-    (`<stem>.<adapter name>.ptd`); the program starts as the base model. A static program takes the active
-    adapter into its weights' graph as constants.
+    LoRA adapters loaded into the model (`etblocks.load_adapter`): the program gets LoRA slots (buffers set by
+    a `set_adapter` method in a dynamic program, inputs of every call in a static one; see
+    `etblocks.export.adapters`), and each adapter goes to its own file next to `out` (`<stem>.<adapter
+    name>.ptd`); the program starts as the base model. A quantized static program is calibrated with every
+    adapter and with none.
 
     `quantize` (static programs): a QnnQuantizer precision ("16a8w", "16a4w", "8a8w") or None; "auto" takes the
     recipe's when exporting to the recipe's own backend (16a8w for qnn), else None. `calibration` holds token id
@@ -88,7 +89,8 @@ def export(
     info = getattr(model, "etblocks_swap", None)
     if info is not None and info.recipe.partition == "hybrid":
         partitioners = [attention_on_cpu(p) for p in partitioners]
-    slotted = bool(lora_layers(model)) and not (info is not None and info.recipe.static)
+    has_adapters = bool(lora_layers(model))
+    slotted = has_adapters and not (info is not None and info.recipe.static)  # slots as buffers
     if slotted:
         partitioners = [keep_slots_on_cpu(p) for p in partitioners]
     start = time.perf_counter()
@@ -120,7 +122,7 @@ def export(
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(executorch_program.buffer)
     adapters = {}
-    if slotted:
+    if has_adapters:
         for name in adapter_names(model):
             adapters[name] = save_adapter_file(adapter_tensors(model, name), path.with_name(f"{path.stem}.{name}.ptd"))
     seconds["serialize"] = time.perf_counter() - start
@@ -179,8 +181,10 @@ def _export_methods(model, backend, max_seq_len, bos_id, eos_ids, vocab_size, qu
     say(f"exporting prefill (T={program.contract.chunk}) and decode (T=1) with static shapes")
     exported = {name: _torch_export(program.module, program.example_inputs(name)) for name in program.contract.methods}
     if quantize is not None:
-        say(f"quantizing with QnnQuantizer ({quantize}) on {len(calibration) if calibration else 'default'} calibration prompts")
-        exported = quantize_static(exported, program.contract, quantize, calibration)
+        adapters = [program.contract.adapter_table.inputs(adapter_tensors(model, name)) for name in adapter_names(model)]
+        with_adapters = f", with {len(adapters)} adapters and without" if adapters else ""
+        say(f"quantizing with QnnQuantizer ({quantize}) on {len(calibration) if calibration else 'default'} calibration prompts{with_adapters}")
+        exported = quantize_static(exported, program.contract, quantize, calibration, adapters)
     return program, exported, quantize
 
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from etblocks.attention.masks import block_sliding_window
 from etblocks.errors import ConfigError
+from etblocks.export.adapters import SlotInputs, adapter_table, lora_layers
 from etblocks.export.contract import CONTRACT_METHOD, CacheGroup, LayerCache, StaticContract
 from etblocks.kv_cache.base import find_caches
 from etblocks.kv_cache.io import IOKVCache
@@ -96,12 +97,13 @@ class StaticProgram:
         contract = self.contract
         width = contract.methods[method]
         tokens = torch.zeros(1, width, dtype=torch.long)
+        slots = contract.adapter_table.inputs(None)
         if contract.cache == "inplace":
-            return tokens, torch.zeros(1, dtype=torch.long)
+            return tokens, torch.zeros(1, dtype=torch.long), *slots
         dtype = contract.torch_dtype
         masks = [torch.zeros(width, group.length + width, dtype=dtype) for group in contract.groups]
         caches = [torch.zeros(shape, dtype=dtype) for shape in contract.cache_shapes()]
-        return (tokens, torch.arange(width).unsqueeze(0), *masks, *caches)
+        return (tokens, torch.arange(width).unsqueeze(0), *masks, *caches, *slots)
 
 
 def static_program(
@@ -144,6 +146,10 @@ def static_program(
             cache="io", mask_value=mask_value, groups=tuple(groups.values()), layers=tuple(layers), **common
         )
         module = HFStaticProgram(model, blocks, [order.index(block_sliding_window(block)) for block in blocks])
+    if lora_layers(model):
+        n_inputs = len(contract.inputs())
+        contract = replace(contract, adapters=adapter_table(model, info.recipe.dtype).slots)
+        module = SlotInputs(module, n_inputs)
     _override_tokens(tokens, bos_id, eos_ids)
     metadata = _llm_runner_metadata(max_seq_len, tokens, dynamic=False)
     metadata[CONTRACT_METHOD] = contract.as_constant()

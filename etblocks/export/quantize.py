@@ -198,15 +198,20 @@ def default_calibration_prompts(contract: StaticContract, n_prompts: int = 4) ->
     return [torch.randint(0, contract.vocab_size, (n,), generator=generator).tolist() for n in lengths]
 
 
-def calibrate_static(prepared: dict, contract: StaticContract, prompts: Sequence[Sequence[int]]) -> None:
-    """Run each prompt through `prefill`, then a few greedy `decode` steps, so both methods see real inputs."""
+def calibrate_static(
+    prepared: dict, contract: StaticContract, prompts: Sequence[Sequence[int]], adapters: Sequence[list[torch.Tensor]] = ()
+) -> None:
+    """Run each prompt through `prefill`, then a few greedy `decode` steps, so both methods see real inputs;
+    with the base model, then with each adapter's slot inputs."""
     driver = StaticDriver(contract, lambda method, inputs: prepared[method](*inputs))
-    for prompt in prompts:
-        driver.reset()
-        prompt = list(prompt)[: contract.max_context_len - CALIBRATION_DECODE_STEPS]
-        logits = driver.forward(prompt)
-        for _ in range(CALIBRATION_DECODE_STEPS):
-            logits = driver.forward([int(torch.argmax(logits))])
+    for slots in [driver.adapter_inputs, *adapters]:
+        driver.adapter_inputs = slots
+        for prompt in prompts:
+            driver.reset()
+            prompt = list(prompt)[: contract.max_context_len - CALIBRATION_DECODE_STEPS]
+            logits = driver.forward(prompt)
+            for _ in range(CALIBRATION_DECODE_STEPS):
+                logits = driver.forward([int(torch.argmax(logits))])
 
 
 def quantize_static(
@@ -214,12 +219,15 @@ def quantize_static(
     contract: StaticContract,
     precision: str,
     calibration: Sequence[Sequence[int]] | None = None,
+    adapters: Sequence[list[torch.Tensor]] = (),
 ) -> dict[str, torch.export.ExportedProgram]:
-    """Annotate every method with QnnQuantizer at `precision`, calibrate, convert, re-export."""
+    """Annotate every method with QnnQuantizer at `precision`, calibrate, convert, re-export. `adapters`: the
+    slot inputs of each adapter the program will run (see `etblocks.export.adapters`); the prompts run with
+    each and with none, so the LoRA path's ranges cover them all."""
     from etblocks.export.qnn import qnn_quantizer
 
     prompts = calibration or default_calibration_prompts(contract)
     with torch.no_grad():
         return quantize_programs(
-            exported, qnn_quantizer(precision), lambda prepared: calibrate_static(prepared, contract, prompts)
+            exported, qnn_quantizer(precision), lambda prepared: calibrate_static(prepared, contract, prompts, adapters)
         )

@@ -89,6 +89,8 @@ class Runner:
         if ADAPTERS_METHOD in methods:
             self.adapter_table = AdapterTable.from_constant(self.program.load_method(ADAPTERS_METHOD).execute([])[0])
             self._set_slots = self.program.load_method(SET_ADAPTER_METHOD)
+        elif self.contract is not None and self.contract.adapters:
+            self.adapter_table = self.contract.adapter_table  # passed with every call by the driver
         self._adapters: dict[str, list[torch.Tensor]] = {}
         self.adapter: str | None = None
         for name, file in (adapters or {}).items():
@@ -101,7 +103,7 @@ class Runner:
         if self.adapter_table is None:
             raise ConfigError(
                 "this program has no LoRA slots; load adapters into the model (etblocks.load_adapter) before "
-                "etblocks.export with a dynamic-shape backend"
+                "etblocks.export"
             )
         if not isinstance(name, str) or not name:
             raise ConfigError(f"name={name!r} is not accepted; give a non-empty adapter name")
@@ -117,7 +119,11 @@ class Runner:
         if name is not None and name not in self._adapters:
             raise ConfigError(f"name={name!r} is not an added adapter; added: {self.adapters}, or None for the base model")
         if self.adapter_table is not None:  # a program without slots is the base model already
-            self._set_slots.execute(self._adapters[name] if name is not None else self.adapter_table.inputs(None))
+            slots = self._adapters[name] if name is not None else self.adapter_table.inputs(None)
+            if self.contract is None:
+                self._set_slots.execute(slots)
+            else:
+                self._driver.adapter_inputs = slots
         self.adapter = name
         self.reset()
 

@@ -57,6 +57,7 @@ class StaticDriver:
         self.max_context_len = contract.max_context_len
         self.caches = self._empty_caches()
         self.pos = 0
+        self.adapter_inputs = contract.adapter_table.inputs(None)  # the base model until an adapter is set
 
     def _empty_caches(self) -> list[torch.Tensor]:
         dtype = self.contract.torch_dtype
@@ -106,13 +107,13 @@ class StaticDriver:
         padded = torch.zeros(1, width, dtype=torch.long)
         padded[0, :n] = torch.tensor(tokens, dtype=torch.long)
         if self.contract.cache == "inplace":
-            logits = self.execute(method, [padded, torch.tensor([self.pos], dtype=torch.long)])[0]
+            logits = self.execute(method, [padded, torch.tensor([self.pos], dtype=torch.long), *self.adapter_inputs])[0]
             self.pos += n
             return logits.reshape(-1).clone()
         positions = torch.arange(self.pos, self.pos + width).unsqueeze(0)
         dtype, fill = self.contract.torch_dtype, self.contract.mask_value
         masks = [group_mask(group, self.pos, width, dtype, fill) for group in self.contract.groups]
-        outputs = self.execute(method, [padded, positions, *masks, *self.caches])
+        outputs = self.execute(method, [padded, positions, *masks, *self.caches, *self.adapter_inputs])
         for i, (cache, rows) in enumerate(zip(self.caches, outputs[1:])):
             self._write(self.contract.group(self.contract.layers[i // 2].group), cache, rows[:, :n])
         self.pos += n
