@@ -41,25 +41,24 @@ def load_adapter(model: nn.Module, path: str | Path, name: str = "default", scal
     """Attach the LoRA adapter at `path` to `model` as `name` and make it the active one.
 
     `scale` multiplies the adapter's own scaling. Target `nn.Linear` (or `Conv2dLinear`) modules become
-    `LoRALinear` (a module already wrapped gains one more adapter). Returns the adapted module names. Refused
-    with `AdapterMismatchError`, nothing changed: a target the model lacks, shapes that do not fit, a name
-    already taken, anything `read_adapter` refuses.
+    `LoRALinear` (a module already wrapped gains one more adapter). A target that a block split into parts
+    (its `projection_parts`, e.g. single-head attention's per-head q/k/v views) gets one `LoRALinear` per part,
+    each with the rows of `lora_B` that part computes. Returns the adapted module names as the adapter names
+    them. Refused with `AdapterMismatchError`, nothing changed: a target the model lacks, shapes that do not
+    fit, a name already taken, anything `read_adapter` refuses.
     """
     if not isinstance(name, str) or not name:
         raise ConfigError(f"name={name!r} is not accepted; give a non-empty adapter name")
     path = Path(path)
-    layers = {module_name: _fit(model, module_name, tensors, path, scale) for module_name, tensors in read_adapter(model, path).items()}
-    for module_name in layers:
-        module = model.get_submodule(module_name)
-        if isinstance(module, LoRALinear) and name in module.adapters:
-            raise AdapterMismatchError(f"{module_name} already has an adapter named {name!r}; give another name=")
-    for module_name, weights in layers.items():
-        module = model.get_submodule(module_name)
-        if not isinstance(module, LoRALinear):
-            module = LoRALinear(module, target=module_name)
-            parent, _, attr = module_name.rpartition(".")
-            setattr(model.get_submodule(parent), attr, module)
-        module.add_adapter(name, weights)
+    layers = {target: _fit(model, target, tensors, path, scale) for target, tensors in read_adapter(model, path).items()}
+    for target, parts in layers.items():
+        for module_name, _, _ in parts:
+            module = model.get_submodule(module_name)
+            if isinstance(module, LoRALinear) and name in module.adapters:
+                raise AdapterMismatchError(f"{target} already has an adapter named {name!r}; give another name=")
+    for target, parts in layers.items():
+        for module_name, rows, weights in parts:
+            _wrapped(model, module_name, target, rows).add_adapter(name, weights)
     set_adapter(model, name)
     return sorted(layers)
 
@@ -79,22 +78,59 @@ def adapter_names(model: nn.Module) -> list[str]:
     return sorted({n for m in model.modules() if isinstance(m, LoRALinear) for n in m.adapters})
 
 
-def _fit(model: nn.Module, module_name: str, tensors: LoRATensors, path: Path, scale: float) -> LoRAWeights:
-    try:
-        module = model.get_submodule(module_name)
-    except AttributeError:
-        module = None
-    base = module.base if isinstance(module, LoRALinear) else module
-    if not isinstance(base, (nn.Linear, Conv2dLinear)):
-        what = "is not in the model" if module is None else f"is a {type(module).__name__}, not a Linear"
-        raise AdapterMismatchError(f"{path}: target module {module_name} {what}; was this adapter made for this model?")
+def _fit(
+    model: nn.Module, target: str, tensors: LoRATensors, path: Path, scale: float
+) -> list[tuple[str, tuple[int, int] | None, LoRAWeights]]:
+    """`tensors` checked against the modules that now compute `target`, as `(module name, rows, weights)` per
+    module with `lora_B` cut to its rows."""
+    parts = _parts_computing(model, target)
+    modules = [model.get_submodule(module_name) for module_name, _ in parts]
+    bases = [module.base if isinstance(module, LoRALinear) else module for module in modules]
+    odd = next((module for module, base in zip(modules, bases) if not isinstance(base, (nn.Linear, Conv2dLinear))), None)
+    if not parts or odd is not None:
+        what = "is not in the model" if not parts else f"is a {type(odd).__name__}, not a Linear"
+        raise AdapterMismatchError(f"{path}: target module {target} {what}; was this adapter made for this model?")
     lora_A, lora_B, factor = tensors
     rank = lora_A.shape[0]
-    expected = (rank, base.in_features), (base.out_features, rank)
+    in_features = bases[0].in_features
+    out_features = bases[0].out_features if parts[0][1] is None else max(stop for _, (_, stop) in parts)
+    expected = (rank, in_features), (out_features, rank)
     if (tuple(lora_A.shape), tuple(lora_B.shape)) != expected:
         raise AdapterMismatchError(
-            f"{path}: {module_name} has lora_A {tuple(lora_A.shape)}, lora_B {tuple(lora_B.shape)}; the model's "
-            f"{base.in_features} -> {base.out_features} layer at rank {rank} needs {expected[0]} and {expected[1]}"
+            f"{path}: {target} has lora_A {tuple(lora_A.shape)}, lora_B {tuple(lora_B.shape)}; the model's "
+            f"{in_features} -> {out_features} layer at rank {rank} needs {expected[0]} and {expected[1]}"
         )
-    dtype = base.weight.dtype
-    return LoRAWeights(lora_A.to(dtype), lora_B.to(dtype), factor * scale)
+    dtype = bases[0].weight.dtype
+    lora_A, lora_B = lora_A.to(dtype), lora_B.to(dtype)
+    return [
+        (module_name, rows, LoRAWeights(lora_A, lora_B if rows is None else lora_B[slice(*rows)], factor * scale))
+        for module_name, rows in parts
+    ]
+
+
+def _parts_computing(model: nn.Module, target: str) -> list[tuple[str, tuple[int, int] | None]]:
+    """`(module name, rows)` of what computes `target`'s output now: the module itself (rows None: all), or the
+    parts its parent block split it into (`projection_parts`); empty if neither exists."""
+    try:
+        model.get_submodule(target)
+        return [(target, None)]
+    except AttributeError:
+        pass
+    parent_name, _, child = target.rpartition(".")
+    try:
+        parent = model.get_submodule(parent_name)
+    except AttributeError:
+        return []
+    prefix = f"{parent_name}." if parent_name else ""
+    return [(prefix + module, rows) for module, rows in getattr(parent, "projection_parts", {}).get(child, [])]
+
+
+def _wrapped(model: nn.Module, module_name: str, target: str, rows: tuple[int, int] | None) -> LoRALinear:
+    """The `LoRALinear` at `module_name`, wrapping the module there on first use."""
+    module = model.get_submodule(module_name)
+    if isinstance(module, LoRALinear):
+        return module
+    module = LoRALinear(module, target=target, rows=rows)
+    parent, _, attr = module_name.rpartition(".")
+    setattr(model.get_submodule(parent), attr, module)
+    return module

@@ -7,7 +7,8 @@ transposes, so this block projects, normalizes, rotates and attends one head at 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -46,11 +47,24 @@ def _as_linear(proj: nn.Module | None, name: str) -> nn.Linear:
     return proj
 
 
-def _head_views(proj: nn.Linear, start: int, n_heads: int, head_dim: int, conv2d: bool) -> list[nn.Module]:
-    """One module per head over rows `start + h*Dh : start + (h+1)*Dh` of `proj`'s weight and bias."""
+class ProjectionPart(NamedTuple):
+    """Submodule `module` (a path inside the block, e.g. `q_heads.1`) computes output rows `[start, stop)` of
+    the projection it was split from."""
+
+    module: str
+    rows: tuple[int, int]
+
+
+def head_parts(heads: str, start: int, n_heads: int, head_dim: int) -> list[ProjectionPart]:
+    """Head h of the ModuleList `heads` computes rows `start + h*Dh : start + (h+1)*Dh`."""
+    return [ProjectionPart(f"{heads}.{h}", (start + h * head_dim, start + (h + 1) * head_dim)) for h in range(n_heads)]
+
+
+def _head_views(proj: nn.Linear, parts: list[ProjectionPart], conv2d: bool) -> list[nn.Module]:
+    """One module per part over its rows of `proj`'s weight and bias."""
     heads = []
-    for h in range(n_heads):
-        rows = slice(start + h * head_dim, start + (h + 1) * head_dim)
+    for part in parts:
+        rows = slice(*part.rows)
         bias = None if proj.bias is None else proj.bias[rows]
         heads.append(_linear_view(proj.weight[rows], bias, conv2d))
     return heads
@@ -70,6 +84,11 @@ class SingleHeadAttention(nn.Module):
     `[B, T, H*Dh] -> [B, T, D]`. `q_norm` / `k_norm` are shared by all heads. Scale and softcap come from
     `sdpa`; optional `sinks [H]` give head h the sink logit `sinks[h]`. Subclasses change one step by
     overriding `project_head`, `rotate_head` or `attend_head`.
+
+    `projection_parts[name]` says where projection `name` of the attention the heads were split from went, as
+    `ProjectionPart(submodule, rows)` per head, so what is keyed by the original projection (LoRA adapters)
+    still finds it. The default, `None`, means heads of separate `q_proj`, `k_proj`, `v_proj`; `o_proj` is not
+    split and keeps its name.
     """
 
     def __init__(
@@ -87,6 +106,7 @@ class SingleHeadAttention(nn.Module):
         q_norm: nn.Module | None = None,
         k_norm: nn.Module | None = None,
         sinks: nn.Parameter | None = None,
+        projection_parts: Mapping[str, list[ProjectionPart]] | None = None,
     ) -> None:
         super().__init__()
         if n_heads % n_kv_heads:
@@ -111,6 +131,13 @@ class SingleHeadAttention(nn.Module):
         self.rope = rope
         self.q_norm, self.k_norm = q_norm, k_norm
         self.register_parameter("sinks", sinks)
+        if projection_parts is None:
+            projection_parts = {
+                "q_proj": head_parts("q_heads", 0, n_heads, head_dim),
+                "k_proj": head_parts("k_heads", 0, n_kv_heads, head_dim),
+                "v_proj": head_parts("v_heads", 0, n_kv_heads, head_dim),
+            }
+        self.projection_parts = dict(projection_parts)
 
     @classmethod
     def from_attention(cls, attn: Attention, conv2d: bool = False) -> SingleHeadAttention:
@@ -123,18 +150,19 @@ class SingleHeadAttention(nn.Module):
             )
         heads, kv_heads, dh = attn.n_heads, attn.n_kv_heads, attn.head_dim
         if attn.qkv_proj is None:
-            q_proj, k_proj, v_proj = (_as_linear(getattr(attn, n), n) for n in ("q_proj", "k_proj", "v_proj"))
-            k_start = v_start = 0
+            names, starts = ("q_proj", "k_proj", "v_proj"), (0, 0, 0)
         else:  # rows [q | k | v] of the fused projection
-            q_proj = k_proj = v_proj = _as_linear(attn.qkv_proj, "qkv_proj")
-            k_start, v_start = heads * dh, (heads + kv_heads) * dh
-        q_heads = _head_views(q_proj, 0, heads, dh, conv2d)
-        k_heads = _head_views(k_proj, k_start, kv_heads, dh, conv2d)
-        v_heads = _head_views(v_proj, v_start, kv_heads, dh, conv2d)
+            names, starts = ("qkv_proj",) * 3, (0, heads * dh, (heads + kv_heads) * dh)
+        views, projection_parts = [], {}
+        for field, n, name, start in zip(("q_heads", "k_heads", "v_heads"), (heads, kv_heads, kv_heads), names, starts):
+            parts = head_parts(field, start, n, dh)
+            views.append(_head_views(_as_linear(getattr(attn, name), name), parts, conv2d))
+            projection_parts.setdefault(name, []).extend(parts)
+        q_heads, k_heads, v_heads = views
         o_proj = Conv2dLinear.from_linear(_as_linear(attn.o_proj, "o_proj")) if conv2d else attn.o_proj
         return cls(
             heads, kv_heads, dh, attn.sdpa, attn.kv_cache, q_heads, k_heads, v_heads, o_proj,
-            rope=attn.rope, q_norm=attn.q_norm, k_norm=attn.k_norm, sinks=attn.sinks,
+            rope=attn.rope, q_norm=attn.q_norm, k_norm=attn.k_norm, sinks=attn.sinks, projection_parts=projection_parts,
         )
 
     def project_head(self, proj: nn.Module, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
