@@ -19,6 +19,7 @@ from hf_models import hf_greedy, prompt_ids, snapshot_of, tiny_model
 from peft_refs import ADAPTERS, make_adapter, peft_reference
 
 import etblocks
+from etblocks.adapters.files import adapter_tensors, save_adapter_file
 from etblocks.adapters import LoRALinear, load_adapter, set_adapter
 from etblocks.errors import AdapterMismatchError
 from etblocks.export.driver import check_qnn
@@ -189,6 +190,12 @@ def test_exported_program_with_adapters_matches_peft_generate(family, tmp_path):
             expected = hf_greedy(reference, prompt, 32)
         assert (adapter is None) == (expected == hf_greedy(base, prompt, 32)), "the adapter must change the tokens"
         assert runner.generate(prompt[0].tolist(), max_new_tokens=32) == expected, adapter
+
+    mha = etblocks.swap(copy.deepcopy(base), backend="xnnpack", max_seq_len=CONTEXT)  # another recipe, same files
+    for adapter, file in result.adapters.items():
+        load_adapter(mha, dirs[adapter], name=adapter)
+        same = save_adapter_file(adapter_tensors(mha, adapter), tmp_path / f"mha.{adapter}.ptd")
+        assert same.read_bytes() == file.read_bytes(), adapter
 
 
 @pytest.mark.slow
