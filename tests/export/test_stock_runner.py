@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 from hf_models import tiny_model
+from peft_refs import ADAPTERS, make_adapter
 
 pytest.importorskip("tokenizers")
 pytest.importorskip("executorch.extension.llm.runner")
@@ -70,7 +71,10 @@ def _set_eos(model, eos_id: int | None) -> None:
     model.generation_config.eos_token_id = eos_id
 
 
-def test_stock_text_llm_runner_matches_hf_generate(tmp_path):
+@pytest.mark.parametrize("with_adapter", [False, True], ids=["base", "lora-slots"])
+def test_stock_text_llm_runner_matches_hf_generate(tmp_path, with_adapter):
+    """With an adapter loaded before export the program has LoRA slots and a `set_adapter` method; the stock
+    runner, which knows neither, still loads it and runs the base model (slots start at zero)."""
     import pytorch_tokenizers
 
     import etblocks
@@ -109,9 +113,12 @@ def test_stock_text_llm_runner_matches_hf_generate(tmp_path):
 
     model = copy.deepcopy(original)
     etblocks.swap(model, backend="xnnpack", max_seq_len=MAX_SEQ_LEN)
+    if with_adapter:
+        make_adapter(original, tmp_path / "adapter", 0, **ADAPTERS["B"])
+        etblocks.load_adapter(model, tmp_path / "adapter", name="B")
     pte = tmp_path / "model.pte"
     result = etblocks.export(model, backend="xnnpack", out=pte)
-    assert pte.is_file()
+    assert pte.is_file() and list(result.adapters) == (["B"] if with_adapter else [])
     assert list(result.metadata["get_eos_ids"]) == [eos_id]
 
     received: list[str] = []
