@@ -298,7 +298,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     runner = load_runner(options["pte"])
     if options["adapter"] is not None:
         name, file = options["adapter"]
-        file = Path(file) if file else Path(options["pte"]).with_name(f"{Path(options['pte']).stem}.{name}.ptd")
+        from etblocks.export.adapters import adapter_file
+
+        file = Path(file) if file else adapter_file(options["pte"], name)
         scale = 1.0 if options["adapter_scale"] is None else options["adapter_scale"]
         say(f"adapter {name!r} from {file} (scale {scale:g})")
         runner.add_adapter(name, file, scale)

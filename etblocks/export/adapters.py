@@ -20,6 +20,7 @@ import json
 import types
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -109,6 +110,12 @@ class AdapterTable:
     @classmethod
     def from_constant(cls, value: torch.Tensor) -> AdapterTable:
         return cls.from_json(value.numpy().tobytes().decode())
+
+
+def adapter_file(program: str | Path, name: str) -> Path:
+    """Where `export` writes adapter `name` of the program at `program`: `<dir>/<stem>.<name>.ptd`."""
+    program = Path(program)
+    return program.with_name(f"{program.stem}.{name}.ptd")
 
 
 def lora_layers(model: nn.Module) -> list[tuple[str, LoRALinear]]:

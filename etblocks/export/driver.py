@@ -13,7 +13,15 @@ from torch import nn
 from etblocks.adapters import adapter_names
 from etblocks.adapters.files import adapter_tensors, save_adapter_file
 from etblocks.errors import ConfigError
-from etblocks.export.adapters import ADAPTERS_METHOD, SET_ADAPTER_METHOD, adapter_slots, keep_slots_on_cpu, lora_layers, set_adapter_program
+from etblocks.export.adapters import (
+    ADAPTERS_METHOD,
+    SET_ADAPTER_METHOD,
+    adapter_file,
+    adapter_slots,
+    keep_slots_on_cpu,
+    lora_layers,
+    set_adapter_program,
+)
 from etblocks.export.backends import get_backend, partitioners_for
 from etblocks.export.delegation import DelegationSummary, summarize
 from etblocks.export.passes import BACKEND_PASSES
@@ -124,7 +132,7 @@ def export(
     adapters = {}
     if has_adapters:
         for name in adapter_names(model):
-            adapters[name] = save_adapter_file(adapter_tensors(model, name), path.with_name(f"{path.stem}.{name}.ptd"))
+            adapters[name] = save_adapter_file(adapter_tensors(model, name), adapter_file(path, name))
     seconds["serialize"] = time.perf_counter() - start
     methods = [*exported, *program.metadata]
     result = ExportResult(path, backend, methods, program.metadata, delegations, seconds, quantize, adapters)

@@ -77,6 +77,28 @@ def test_quantized_program_runs_on_the_host(tmp_path):
 
 
 @pytest.mark.slow
+def test_quantized_program_with_adapters_runs_on_the_host(tmp_path):
+    """LoRA slots are inputs of the quantized program too; calibrated with each adapter and with none, each
+    adapter agrees with PeftModel as the base agrees with HF."""
+    from peft_refs import ADAPTERS, make_adapter, peft_reference
+
+    original, swapped = swap_qnn("llama")
+    for seed, (name, options) in enumerate(ADAPTERS.items()):
+        make_adapter(original, tmp_path / name, seed, **options)
+        etblocks.load_adapter(swapped, tmp_path / name, name=name)
+    reference = peft_reference(original, {name: tmp_path / name for name in ADAPTERS})
+    result = etblocks.export(swapped, backend="portable", quantize="16a8w", out=tmp_path / "q.pte")
+    runner = etblocks.Runner(result.path, adapters=result.adapters)
+    prompts = [prompt_ids(13, seed=seed) for seed in range(4)]
+    for name in ADAPTERS:
+        runner.set_adapter(name)
+        reference.set_adapter(name)
+        agreement = teacher_forced_top1(runner, reference, prompts, 16)
+        print(f"16a8w with adapter {name} vs PeftModel: teacher-forced top-1 agreement {agreement:.3f}")
+        assert agreement >= MIN_TOP1_16A8W, name
+
+
+@pytest.mark.slow
 def test_cli_check_prints_the_report(capsys, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("1,5,9,30,41,2,7\n\n3,4,5,6,7,8,9,10,11,12,13\n")
