@@ -35,7 +35,7 @@ def read_peft_adapter(path: str | Path) -> dict[str, LoRATensors]:
     disagree with the config, a corrupt or foreign file."""
     path = Path(path)
     config = read_config(path)
-    return _layer_tensors(config, _read_weights(path), path)
+    return layer_tensors(config, _read_weights(path), path)
 
 
 def read_config(path: Path) -> dict:
@@ -89,7 +89,10 @@ def _pattern_value(patterns: dict, module_name: str, default):
     return default
 
 
-def _layer_tensors(config: dict, tensors: dict, path: Path) -> dict[str, LoRATensors]:
+def layer_tensors(config: dict, tensors: dict, path: Path) -> dict[str, LoRATensors]:
+    """Tensors in PEFT's keys (`[base_model.model.]<module>.lora_A.weight`) per module, with the rank and scaling
+    the config (and its patterns) gives that module; shared with the torchtune reader, which converts to these
+    keys first."""
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY.match(key[len(PREFIX):] if key.startswith(PREFIX) else key)

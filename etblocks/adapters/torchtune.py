@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from etblocks.adapters.lora import LoRATensors
-from etblocks.adapters.peft import CONFIG_FILE, _layer_tensors, read_config
+from etblocks.adapters.peft import CONFIG_FILE, layer_tensors, read_config
 from etblocks.errors import AdapterMismatchError
 from etblocks.torchtune_compat import import_torchtune
 
@@ -51,7 +51,7 @@ def read_torchtune_adapter(model: nn.Module, path: str | Path) -> dict[str, LoRA
         )
     config = read_config(path)
     weights = _read_weights(path / WEIGHT_FILE)
-    return _layer_tensors(config, _to_peft(weights, model, path / WEIGHT_FILE), path)
+    return layer_tensors(config, _to_peft(weights, model, path / WEIGHT_FILE), path)
 
 
 def _read_weights(file: Path) -> dict[str, torch.Tensor]:
