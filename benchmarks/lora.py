@@ -1,0 +1,622 @@
+"""LoRA adapters switched at run time vs one program per adapter, on the SmolLM2-135M shape (fp32, random weights).
+
+One base model (`decode.build_hf_model`, seeded random weights) and two PEFT LoRA adapters made for it (random
+`lora_A` / `lora_B`, `init_lora_weights=False`):
+
+  A  r=16, lora_alpha=32, target_modules="all-linear" (q, k, v, o, gate, up, down of every layer)
+  B  r=8, lora_alpha=16, use_rslora, q_proj and v_proj only
+
+become four XNNPACK programs:
+
+  base-only   etblocks.swap + etblocks.export of the base, no adapters
+  slots       etblocks.swap + load_adapter(A) + load_adapter(B) + etblocks.export: LoRA slots (mutable buffers) and a
+              `set_adapter` method in the .pte, one .ptd per adapter; `Runner.set_adapter` switches
+  merged A/B  "one program per adapter", what people do today: PEFT `merge_and_unload()` on a copy of the base,
+              then swap + export (no slots); switching adapters means loading another program
+
+Measured, in this order, in one run:
+
+  1. correctness: after `Runner.set_adapter(A | B | None)` the slot program's first greedy tokens equal
+     `PeftModel.generate` (greedy) with that adapter (None: `disable_adapter()`); the run aborts if not. The
+     base-only and merged programs are checked against the same references (reported, not fatal).
+  2. sizes: slot .pte vs base-only .pte; each adapter .ptd vs the bytes of its lora_A/lora_B tensors.
+  3. resident memory (VmRSS, with its anonymous / file-backed split from /proc/self/status) and 4. switch / load
+     times, each measured in a fresh child process so nothing the benchmark itself allocated is counted:
+     slots: before loading, after `Runner(path)`, after `add_adapter("A")`, after `add_adapter("B")`, after
+     `--switches` calls `set_adapter` cycling A -> B -> None (each call timed), after generating a few tokens;
+     per adapter: after `Runner(merged A)`, after `Runner(merged B)` (the second program), after dropping A; then
+     `Runner(path)` wall times in `--loads` interleaved rounds of merged A, the slot program, merged B (the .pte
+     files are in the page cache).
+  5. decode speed: all programs loaded (the slot program once, serving "None" and "A"), then `--rounds`
+     interleaved rounds, each a prefill of the `--prompt-len`-token prompt and `--decode-steps` greedy decode steps
+     per row (for the slot rows `set_adapter` runs before the round, untimed); medians [min-max] over rounds, ratios
+     are medians of per-round ratios to the base-only program (rows of one round share the host's load).
+
+    PYTHONPATH=. python benchmarks/lora.py                 # full 30-layer run (8-13 minutes on 2 shared cores)
+    PYTHONPATH=. python benchmarks/lora.py --layers 2      # smoke run (about 70 s, mostly the 4 exports)
+
+Full default run (30 layers, every default; 8 minutes on this project's 2-core machine, shared with other jobs;
+etblocks 3a306ea, whose LoRA path is XNNPACK `bmm`s over `[None]` views of the slots):
+
+    correctness   slot program with A, B, None: 8/8 greedy tokens equal PeftModel.generate (base-only, merged: 8/8)
+    .pte          base-only 651,505,664 B; slot program 651,888,384 B (+382.7 KB); merged A / B 651,505,408 B each
+    .ptd          A 19,591,424 B = its 420 tensors + 53,504 B; B 1,858,688 B = its 120 tensors + 15,488 B
+    RSS (MB)      slot program: Runner +713.8, add_adapter(A) +43.3, add_adapter(B) +1.9, 100 switches +18.1,
+                  100 more +0.0 (777 over the bare runtime in all)
+                  per adapter: Runner(merged A) +670.6, Runner(merged B) +670.5 (1341 for two adapters)
+    switch        set_adapter: median 1.00 ms, p90 1.98 ms (A / B 0.92-1.00 ms; None 1.94 ms: it builds 19.5 MB of
+                  zero slots every call); Runner(merged program) median 94 ms (94x), Runner(slot program) 99 ms
+    decode        tok/s, median of 7 rounds [min-max], ratio to (a); prefill of the 16-token prompt in tok/s
+                  (a) base-only                  52.2 [51.8-54.1]  1.00x   prefill 300  1.00x
+                  (b) slot program, None         38.1 [35.4-38.8]  0.72x   prefill 256  0.85x
+                  (c) slot program, A            37.7 [34.2-40.7]  0.71x   prefill 258  0.84x
+                  (d) merged A (one per adapter) 51.5 [50.2-61.1]  0.99x   prefill 299  1.01x
+
+What the unmerged path costs per decode step (ETDump of the same programs, 30 layers): 17.6 -> 25.2 ms, of which
+5.5 ms are the 420 XNNPACK batch matmuls whose right operands are run-time slots (about 13 us each, all
+adapters alike: a slot's padding is computed too) and 0.9 ms the 422 `unsqueeze_copy`s copying the slots out of
+their buffers on CPU. The earlier design (359b7ac: portable `mm` outside XNNPACK, 152 partitions) ran at
+0.85-0.88x of base-only in the same process against 0.71-0.75x for 3a306ea (both rows interleaved, 9 rounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from decode import Bench, Shape, _matching_prefix, _paired_median, _spread, build_hf_model, time_round, warm_up
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One PEFT LoRA adapter made for the benchmark's base (random weights, seeded)."""
+
+    name: str
+    r: int
+    alpha: int
+    targets: str | tuple[str, ...]
+    rslora: bool = False
+    seed: int = 1
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / (self.r ** 0.5 if self.rslora else self.r)
+
+    def describe(self) -> str:
+        targets = self.targets if isinstance(self.targets, str) else ",".join(self.targets)
+        return (f"{self.name}: r={self.r}, alpha={self.alpha}{', rsLoRA' if self.rslora else ''} (scale "
+                f"{self.scaling:.2f}), {targets}")
+
+
+ADAPTERS = (
+    Adapter("A", r=16, alpha=32, targets="all-linear", seed=1),
+    Adapter("B", r=8, alpha=16, targets=("q_proj", "v_proj"), rslora=True, seed=2),
+)
+CYCLE = ("A", "B", None)  # the switch order
+_STARTED = time.perf_counter()
+
+
+def log(message: str) -> None:
+    print(f"[lora bench {time.perf_counter() - _STARTED:4.0f} s] {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Program:
+    """One row of the decode table: a loaded program (the slot program serves two rows) and its timings."""
+
+    key: str
+    label: str
+    runner: Any  # etblocks.Runner
+    adapter: str | None = None  # for the slot rows: set before every round
+    switch: bool = False
+    pte_mb: float | None = None
+    export_s: float | None = None
+    decode_runs: list[float] = field(default_factory=list)
+    prefill_runs: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    reference: str | None = None  # the reference tokens' key in `references`
+
+    @property
+    def decode_tps(self) -> float | None:
+        return statistics.median(self.decode_runs) if self.decode_runs else None
+
+
+class RunnerDriver:
+    """`decode.Driver` over an `etblocks.Runner` (its `forward` keeps the position): every row runs through it."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+
+    def prefill(self, prompt: list[int]) -> int:
+        self.runner.reset()
+        return int(self.runner.forward(prompt).argmax())
+
+    def decode(self, token: int, pos: int) -> int:
+        assert pos == self.runner.pos, (pos, self.runner.pos)
+        return int(self.runner.forward([token]).argmax())
+
+
+# --------------------------------------------------------------------------------------------------
+# Adapters, references, exports
+
+
+def make_adapter(base: torch.nn.Module, spec: Adapter, directory: Path, std: float) -> Path:
+    """Train nothing: random A and B (`init_lora_weights=False`, then N(0, std)) so the adapter changes the outputs."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = spec.targets if isinstance(spec.targets, str) else list(spec.targets)
+    config = LoraConfig(r=spec.r, lora_alpha=spec.alpha, target_modules=targets, use_rslora=spec.rslora,
+                        init_lora_weights=False, lora_dropout=0.0)
+    torch.manual_seed(spec.seed)
+    peft_model = get_peft_model(copy.deepcopy(base), config)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.normal_(0, std)
+    peft_model.save_pretrained(directory)
+    del peft_model
+    return directory
+
+
+def peft_tensor_bytes(directory: Path) -> tuple[int, int, int]:
+    """(tensors, bytes of the lora_A / lora_B tensors, file size) of a saved PEFT adapter."""
+    from safetensors.torch import load_file
+
+    path = directory / "adapter_model.safetensors"
+    tensors = [t for k, t in load_file(path).items() if "lora_A" in k or "lora_B" in k]
+    return len(tensors), sum(t.numel() * t.element_size() for t in tensors), path.stat().st_size
+
+
+@torch.no_grad()
+def peft_greedy(model: Any, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def peft_references(base: torch.nn.Module, dirs: dict[str, Path], prompt: list[int],
+                    n: int) -> dict[str | None, list[int]]:
+    """Greedy tokens of `PeftModel` with each adapter and with none (`disable_adapter()`)."""
+    from peft import PeftModel
+
+    names = list(dirs)
+    model = PeftModel.from_pretrained(copy.deepcopy(base), dirs[names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(dirs[name], adapter_name=name)
+    model.eval()
+    references: dict[str | None, list[int]] = {}
+    for name in names:
+        model.set_adapter(name)
+        references[name] = peft_greedy(model, prompt, n)
+    with model.disable_adapter():
+        references[None] = peft_greedy(model, prompt, n)
+    del model
+    gc.collect()
+    return references
+
+
+def export_program(model: torch.nn.Module, shape: Shape, out: Path, dirs: dict[str, Path] | None = None) -> Any:
+    """Swap `model` (in place) for xnnpack, attach the adapters in `dirs` (if any), export; the ExportResult."""
+    import etblocks
+
+    with torch.no_grad():
+        model = etblocks.swap(model, backend="xnnpack", max_seq_len=shape.max_seq_len) or model
+        for name, directory in (dirs or {}).items():
+            etblocks.load_adapter(model, directory, name=name)
+        return etblocks.export(model, backend="xnnpack", out=out)
+
+
+def merged_model(base: torch.nn.Module, directory: Path) -> torch.nn.Module:
+    """A copy of `base` with the adapter at `directory` merged into its weights by PEFT."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(copy.deepcopy(base), directory).merge_and_unload()
+
+
+def timed_export(label: str, model: torch.nn.Module, shape: Shape, out: Path, dirs=None) -> tuple[Any, float]:
+    log(f"export {label} ...")
+    start = time.perf_counter()
+    result = export_program(model, shape, out, dirs)
+    seconds = time.perf_counter() - start
+    log(f"export {label}: {seconds:.0f} s, {result.size_mb:.1f} MB; {result.delegation}")
+    return result, seconds
+
+
+# --------------------------------------------------------------------------------------------------
+# Probes: memory and switch / load times, each in a fresh child process
+
+
+def rss() -> dict[str, float]:
+    """Resident memory in MB: VmRSS and its anonymous and file-backed parts (/proc/self/status; psutil elsewhere)."""
+    try:
+        fields = {}
+        for line in Path("/proc/self/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile"):
+                fields[key] = int(value.split()[0]) * 1024 / 1e6
+        return {"rss": fields["VmRSS"], "anon": fields.get("RssAnon", float("nan")),
+                "file": fields.get("RssFile", float("nan"))}
+    except (OSError, KeyError):
+        import psutil
+
+        return {"rss": psutil.Process().memory_info().rss / 1e6, "anon": float("nan"), "file": float("nan")}
+
+
+def probe_slots(spec: dict) -> dict:
+    """Child process: one slot program, its adapters added, `switches` switches, a short generate."""
+    import etblocks
+
+    prompt, points, times = spec["prompt"], [], {str(n): [] for n in CYCLE}
+
+    def mark(label: str) -> None:
+        gc.collect()
+        points.append((label, rss()))
+
+    mark("before loading (runtime + .ptd reader imported)")
+    start = time.perf_counter()
+    runner = etblocks.Runner(spec["pte"])
+    load_ms = 1e3 * (time.perf_counter() - start)
+    mark("Runner(slot program): base loaded once")
+    add_ms = {}
+    for name, file in spec["adapters"].items():
+        start = time.perf_counter()
+        runner.add_adapter(name, file)
+        add_ms[name] = 1e3 * (time.perf_counter() - start)
+        mark(f"+ add_adapter({name!r})")
+    half = spec["switches"] // 2
+    for i in range(spec["switches"]):
+        name = CYCLE[i % len(CYCLE)]
+        start = time.perf_counter()
+        runner.set_adapter(name)
+        times[str(name)].append(1e3 * (time.perf_counter() - start))
+        if i + 1 == half:
+            mark(f"+ {half} switches A->B->None")
+    mark(f"+ {spec['switches'] - half} more switches ({spec['switches']} in all)")
+    runner.set_adapter("A")
+    runner.generate(prompt, max_new_tokens=8, eos=[])
+    mark("+ generate 8 tokens with A")
+    slots = runner.adapter_table.slots
+    return {"points": points, "first_load_ms": load_ms, "add_ms": add_ms, "switch_ms": times,
+            "slots": len(slots), "slot_ranks": sorted({s.rank for s in slots}),
+            "slot_mb": sum((s.in_features + s.out_features) * s.rank * 4 for s in slots) / 1e6}
+
+
+def probe_programs(spec: dict) -> dict:
+    """Child process: one program per adapter, the second loaded next to the first; then `Runner(path)` wall times
+    of the merged programs and of the slot program, in interleaved rounds."""
+    import etblocks
+
+    points = []
+
+    def mark(label: str) -> None:
+        gc.collect()
+        points.append((label, rss()))
+
+    (first, first_path), (second, second_path) = list(spec["programs"].items())[:2]
+    mark("before loading (runtime + .ptd reader imported)")
+    runners, first_load_ms = {}, []
+    for name, path in ((first, first_path), (second, second_path)):
+        start = time.perf_counter()
+        runners[name] = etblocks.Runner(path)
+        first_load_ms.append(1e3 * (time.perf_counter() - start))
+        mark(f"+ Runner(merged {name})" + (" (second program)" if name == second else ""))
+    del runners[first]
+    mark(f"- drop merged {first} (only {second} loaded)")
+    runners[second].generate(spec["prompt"], max_new_tokens=8, eos=[])
+    mark(f"+ generate 8 tokens with merged {second}")
+    runners.clear()
+    load_ms: dict[str, list[float]] = {"merged": [], "slots": []}
+    for _ in range(spec["loads"]):
+        for kind, path in (("merged", first_path), ("slots", spec["slots"]), ("merged", second_path)):
+            gc.collect()
+            start = time.perf_counter()
+            runner = etblocks.Runner(path)
+            load_ms[kind].append(1e3 * (time.perf_counter() - start))
+            del runner
+    return {"points": points, "first_load_ms": first_load_ms, "load_ms": load_ms}
+
+
+PROBES = {"slots": probe_slots, "programs": probe_programs}
+
+
+def run_probe(kind: str, spec: dict) -> dict:
+    """Run `probe_<kind>(spec)` in a fresh Python process; its result is the JSON on its last stdout line."""
+    import etblocks
+
+    env = dict(os.environ)
+    root = str(Path(etblocks.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    log(f"probe {kind} (child process) ...")
+    done = subprocess.run([sys.executable, __file__, "--probe", kind, json.dumps(spec)], env=env,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"probe {kind} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def probe_main(kind: str, spec_json: str) -> int:
+    from executorch.runtime import Runtime
+
+    from etblocks.attention.sdpa import load_llama_custom_ops
+
+    load_llama_custom_ops()
+    Runtime.get()
+    # What Runner.add_adapter imports to read a .ptd: imported before the first RSS mark, so that mark's step
+    # counts the adapter's data rather than Python modules.
+    import executorch.exir._serialize._cord  # noqa: F401
+    import executorch.exir.tensor  # noqa: F401
+    import executorch.extension.flat_tensor.serialize.serialize  # noqa: F401
+    print(json.dumps(PROBES[kind](json.loads(spec_json))))
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Report
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(headers[i]), *(len(r[i]) for r in rows)) for i in range(len(headers))]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+
+
+def memory_table(points: list[tuple[str, dict]]) -> str:
+    rows, previous, first = [], None, points[0][1]
+    for label, m in points:
+        step = "" if previous is None else f"{m['rss'] - previous['rss']:+.1f}"
+        rows.append([label, f"{m['rss']:.1f}", step, f"{m['rss'] - first['rss']:+.1f}", f"{m['anon']:.1f}",
+                     f"{m['file']:.1f}"])
+        previous = m
+    return table(["", "VmRSS MB", "step MB", "total MB", "anon MB", "file MB"], rows)
+
+
+def print_report(args, shape: Shape, bench: Bench, programs: list[Program], references, checks, sizes, slots_probe,
+                 programs_probe, delegations, started: float) -> None:
+    from executorch.extension.pybindings.portable_lib import _threadpool_get_thread_count
+
+    s = shape
+    print(f"\nLoRA adapters switched at run time vs one program per adapter, SmolLM2-135M shape: {s.layers} layers, "
+          f"hidden {s.hidden}, {s.heads}/{s.kv_heads} heads (head_dim {s.head_dim}), intermediate {s.intermediate}, "
+          f"vocab {s.vocab}, tied embedding, fp32, random weights (seed {args.seed}, init std {args.init_range})")
+    print(f"adapters (PEFT, random lora_A/lora_B, std {args.lora_std}): "
+          + "; ".join(a.describe() for a in ADAPTERS))
+    print(f"slot program: {slots_probe['slots']} LoRA slots, rank {'/'.join(map(str, slots_probe['slot_ranks']))} "
+          f"(per layer, the largest rank loaded there), {slots_probe['slot_mb']:.1f} MB of slot buffers; context "
+          f"{s.max_seq_len}; XNNPACK, torch {torch.__version__}, {_threadpool_get_thread_count()} ExecuTorch threads")
+
+    print(f"\n1. greedy check: first {args.check_tokens} tokens vs PeftModel.generate(do_sample=False) with the same "
+          "adapter")
+    for line in checks:
+        print("  " + line)
+
+    print("\n2. sizes")
+    print(table(["file", "bytes", "MB", "vs"], sizes))
+
+    print("\n3. resident memory (fresh child process each; anon = RssAnon, file = RssFile)")
+    print("slot program:")
+    print(memory_table(slots_probe["points"]))
+    print("one program per adapter:")
+    print(memory_table(programs_probe["points"]))
+
+    switch_all = [t for ts in slots_probe["switch_ms"].values() for t in ts]
+    loads = programs_probe["load_ms"]["merged"]
+    slot_points = dict(slots_probe["points"])
+    prog_points = programs_probe["points"]
+    second_rss = prog_points[2][1]["rss"] - prog_points[1][1]["rss"]
+    add_b = slot_points["+ add_adapter('B')"]["rss"] - slot_points["+ add_adapter('A')"]["rss"]
+    print("\n4. time to switch")
+    rows = [
+        [f"Runner.set_adapter(name), {len(switch_all)} switches A->B->None", f"{statistics.median(switch_all):.3f}",
+         f"{percentile(switch_all, 0.9):.3f}", f"{max(switch_all):.3f}", "1.0x"],
+    ]
+    for name, ts in slots_probe["switch_ms"].items():
+        rows.append([f"  set_adapter({name if name == 'None' else repr(name)}) only ({len(ts)})",
+                     f"{statistics.median(ts):.3f}", f"{percentile(ts, 0.9):.3f}", f"{max(ts):.3f}", ""])
+    slot_loads = programs_probe["load_ms"]["slots"]
+    for label, ms in ((f"Runner(merged program), {len(loads)} loads", loads),
+                      (f"Runner(slot program), {len(slot_loads)} loads", slot_loads)):
+        rows.append([label, f"{statistics.median(ms):.1f}", f"{percentile(ms, 0.9):.1f}", f"{max(ms):.1f}",
+                     f"{statistics.median(ms) / statistics.median(switch_all):.0f}x"])
+    first_a, first_b = programs_probe["first_load_ms"]
+    rows.append(["first loads in a fresh process: slot program", f"{slots_probe['first_load_ms']:.0f}", "", "", ""])
+    rows.append(["  merged A, then merged B (the second program)", f"{first_a:.0f}, {first_b:.0f}", "", "", ""])
+    for name, ms in slots_probe["add_ms"].items():
+        rows.append([f"Runner.add_adapter({name!r}), once", f"{ms:.1f}", "", "", ""])
+    print(table(["", "median ms", "p90 ms", "max ms", "vs set_adapter"], rows))
+    print(f"second adapter: add_adapter('B') {add_b:+.1f} MB RSS and {statistics.median(switch_all):.3f} ms per "
+          f"switch, vs a second program {second_rss:+.1f} MB RSS and {statistics.median(loads):.0f} ms per load")
+
+    print(f"\n5. decode: {bench.decode_steps} greedy steps after a {len(bench.prompt)}-token prompt; medians of "
+          f"{bench.rounds} interleaved rounds [min-max]; ratios: medians of per-round ratios to (a)")
+    ref = programs[0]
+    rows = []
+    for p in programs:
+        ratio = _paired_median(p.decode_runs, ref.decode_runs)
+        pratio = _paired_median(p.prefill_runs, ref.prefill_runs)
+        n = _matching_prefix(p.tokens, references[p.reference])
+        rows.append([f"({p.key}) {p.label}", _spread(p.decode_runs, ".1f"), "-" if ratio is None else f"{ratio:.2f}x",
+                     _spread(p.prefill_runs, ".0f"), "-" if pratio is None else f"{pratio:.2f}x",
+                     f"{p.pte_mb:.1f}", f"{p.export_s:.0f}", f"{n}/{len(references[p.reference])}"])
+    print(table(["program", "decode tok/s", "decode/(a)", "prefill tok/s", "prefill/(a)", ".pte MB", "export s",
+                 "tokens=PEFT"], rows))
+    print("delegation:")
+    for label, text in delegations:
+        print(f"  {label}: {text}")
+    print(f"\n(total {time.perf_counter() - started:.0f} s)")
+
+
+# --------------------------------------------------------------------------------------------------
+# Main
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=30, help="decoder layers (2 for a quick smoke run)")
+    parser.add_argument("--max-seq-len", type=int, default=256, help="context / KV cache length")
+    parser.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (prefill)")
+    parser.add_argument("--decode-steps", type=int, default=32, help="timed greedy decode steps per round")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved decode rounds; medians are reported")
+    parser.add_argument("--check-tokens", type=int, default=8, help="greedy tokens compared with PEFT")
+    parser.add_argument("--switches", type=int, default=200, help="timed set_adapter calls (A -> B -> None ...)")
+    parser.add_argument("--loads", type=int, default=5,
+                        help="interleaved timed loads: merged A, slot program, merged B, ...")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--init-range", type=float, default=0.1,
+                        help="base weight init std; 0.02 (the default of transformers) makes greedy repeat one token")
+    parser.add_argument("--lora-std", type=float, default=0.05, help="std of the random lora_A / lora_B weights")
+    parser.add_argument("--out-dir", type=Path, default=None,
+                        help="where adapters and programs go (kept); default: a temp dir, deleted at the end")
+    parser.add_argument("--probe", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)  # child process
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.probe:
+        return probe_main(*args.probe)
+    started = time.perf_counter()
+    shape = Shape(layers=args.layers, max_seq_len=args.max_seq_len)
+    prompt = torch.randint(1, shape.vocab, (args.prompt_len,), generator=torch.Generator().manual_seed(args.seed))
+    out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="etblocks_lora_bench_"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    bench = Bench(shape, prompt.tolist(), args.decode_steps, args.rounds, out_dir, args.seed, args.init_range)
+    try:
+        return run(args, shape, bench, started)
+    finally:
+        if args.out_dir is None:
+            shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, shape: Shape, bench: Bench, started: float) -> int:
+    import etblocks
+
+    out = bench.out_dir
+    base = build_hf_model(bench)
+    base.generation_config.eos_token_id = None  # greedy runs always produce every token
+    dirs = {a.name: make_adapter(base, a, out / f"adapter_{a.name}", args.lora_std) for a in ADAPTERS}
+    log("PEFT references ...")
+    references = peft_references(base, dirs, bench.prompt, args.check_tokens)
+    keys = list(references)
+    same = [(a, b) for i, a in enumerate(keys) for b in keys[i + 1:] if references[a] == references[b]]
+    if same:
+        log(f"WARNING: PEFT gives the same tokens for {same}; raise --lora-std so the check tells them apart")
+
+    base_result, base_s = timed_export("base-only", copy.deepcopy(base), shape, out / "base.pte")
+    slot_result, slot_s = timed_export("slots (A, B)", copy.deepcopy(base), shape, out / "lora.pte", dirs)
+    merged = {}
+    for a in ADAPTERS:
+        merged[a.name] = timed_export(f"merged {a.name}", merged_model(base, dirs[a.name]), shape,
+                                      out / f"merged_{a.name}.pte")
+    del base
+    gc.collect()
+
+    # 1. correctness: the slot program through Runner.set_adapter, against PEFT
+    log("greedy checks ...")
+    slots = etblocks.Runner(slot_result.path, adapters=slot_result.adapters)
+    checks, bad = [], []
+    for name in CYCLE:
+        slots.set_adapter(name)
+        tokens = slots.generate(bench.prompt, max_new_tokens=args.check_tokens, eos=[])
+        n = _matching_prefix(tokens, references[name])
+        checks.append(f"slot program, set_adapter({name!r}): {n}/{len(tokens)} {tokens}")
+        if tokens != references[name]:
+            bad.append(f"set_adapter({name!r}): Runner {tokens} vs PEFT {references[name]}")
+    if bad:
+        raise SystemExit("[lora bench] ABORT: the slot program's greedy tokens differ from PeftModel.generate:\n  "
+                         + "\n  ".join(bad))
+    base_runner = etblocks.Runner(base_result.path)
+    merged_runners = {name: etblocks.Runner(result.path) for name, (result, _) in merged.items()}
+    for label, runner, ref in [("base-only program", base_runner, None),
+                               *((f"merged {n} program", r, n) for n, r in merged_runners.items())]:
+        tokens = runner.generate(bench.prompt, max_new_tokens=args.check_tokens, eos=[])
+        warn = "" if tokens == references[ref] else "  (WARNING: differs from PEFT)"
+        checks.append(f"{label} vs PEFT {ref!r}: {_matching_prefix(tokens, references[ref])}/{len(tokens)}{warn}")
+    checks.append("PEFT references: " + ", ".join(f"{k!r} {v}" for k, v in references.items()))
+    if same:
+        checks.append(f"WARNING: PEFT gives the same tokens for {same}: the check cannot tell those apart")
+
+    # 2. sizes
+    base_bytes, slot_bytes = base_result.path.stat().st_size, slot_result.path.stat().st_size
+    sizes = [
+        ["base-only .pte", f"{base_bytes:,}", f"{base_bytes / 1e6:.2f}", ""],
+        ["slot program .pte", f"{slot_bytes:,}", f"{slot_bytes / 1e6:.2f}",
+         f"{(slot_bytes - base_bytes) / 1e3:+.1f} KB vs base-only"],
+    ]
+    for a in ADAPTERS:
+        ptd = slot_result.adapters[a.name].stat().st_size
+        count, tensor_bytes, safetensors = peft_tensor_bytes(dirs[a.name])
+        sizes.append([f"adapter {a.name} .ptd", f"{ptd:,}", f"{ptd / 1e6:.2f}",
+                      f"{ptd - tensor_bytes:+,} B vs its {count} tensors ({tensor_bytes:,} B); PEFT safetensors "
+                      f"{safetensors:,} B"])
+    for name, (result, _) in merged.items():
+        size = result.path.stat().st_size
+        sizes.append([f"merged {name} .pte", f"{size:,}", f"{size / 1e6:.2f}", "a whole program per adapter"])
+
+    # 3., 4. memory and switch / load times, in child processes
+    del slots, base_runner, merged_runners
+    gc.collect()
+    slots_probe = run_probe("slots", {"pte": str(slot_result.path), "prompt": bench.prompt, "switches": args.switches,
+                                      "adapters": {k: str(v) for k, v in slot_result.adapters.items()}})
+    programs_probe = run_probe("programs", {"prompt": bench.prompt, "loads": args.loads, "slots": str(slot_result.path),
+                                            "programs": {n: str(r.path) for n, (r, _) in merged.items()}})
+
+    # 5. decode speed
+    slots = etblocks.Runner(slot_result.path, adapters=slot_result.adapters)
+    merged_a, merged_a_s = merged["A"]
+    programs = [
+        Program("a", "base-only program", etblocks.Runner(base_result.path), pte_mb=base_result.size_mb,
+                export_s=base_s, reference=None),
+        Program("b", "slot program, set_adapter(None)", slots, None, True, slot_result.size_mb, slot_s, reference=None),
+        Program("c", "slot program, set_adapter('A')", slots, "A", True, slot_result.size_mb, slot_s, reference="A"),
+        Program("d", "merged A program (one per adapter)", etblocks.Runner(merged_a.path), pte_mb=merged_a.size_mb,
+                export_s=merged_a_s, reference="A"),
+    ]
+    for p in programs:
+        if p.switch:
+            p.runner.set_adapter(p.adapter)
+        warm_up(RunnerDriver(p.runner), bench)
+    for r in range(bench.rounds):
+        for p in programs:
+            if p.switch:
+                p.runner.set_adapter(p.adapter)
+            prefill_tps, decode_tps, tokens = time_round(RunnerDriver(p.runner), bench)
+            if p.tokens and tokens != p.tokens:
+                raise SystemExit(f"[lora bench] ABORT: ({p.key}) greedy tokens differ between rounds")
+            p.tokens = tokens
+            p.decode_runs.append(decode_tps)
+            p.prefill_runs.append(prefill_tps)
+            log(f"round {r + 1}/{bench.rounds} ({p.key}): decode {decode_tps:.1f} tok/s, "
+                f"prefill {prefill_tps:.0f} tok/s")
+    delegations = [("base-only forward", str(base_result.delegations["forward"])),
+                   ("slot program forward", str(slot_result.delegations["forward"])),
+                   ("slot program set_adapter", str(slot_result.delegations["set_adapter"]))]
+    print_report(args, shape, bench, programs, references, checks, sizes, slots_probe, programs_probe, delegations,
+                 started)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
