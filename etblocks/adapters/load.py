@@ -73,6 +73,21 @@ def set_adapter(model: nn.Module, name: str | None) -> None:
         layer.set_adapter(name if name in layer.adapters else None)
 
 
+def merge_adapter(model: nn.Module, name: str) -> list[str]:
+    """Fold adapter `name` into the base weights and drop every `LoRALinear` (PEFT's `merge_and_unload`): the
+    model is then a plain model with that adapter baked in, which exports without LoRA slots and decodes at the
+    base model's speed; the other adapters are discarded. Returns the merged module names."""
+    set_adapter(model, name)
+    merged = []
+    for module_name, layer in [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]:
+        if layer.active is not None:
+            layer.merge()
+            merged.append(module_name)
+        parent, _, attr = module_name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, layer.base)
+    return merged
+
+
 def adapter_names(model: nn.Module) -> list[str]:
     """The names of the adapters loaded into `model`."""
     return sorted({n for m in model.modules() if isinstance(m, LoRALinear) for n in m.adapters})

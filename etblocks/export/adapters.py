@@ -127,7 +127,10 @@ def adapter_table(module: nn.Module, dtype: torch.dtype | None = None) -> Adapte
     layers = lora_layers(module)
     merged = [(name, layer.merged) for name, layer in layers if layer.merged is not None]
     if merged:
-        raise ConfigError(f"{merged[0][0]} has adapter {merged[0][1]!r} merged into its base; unmerge() before exporting adapters")
+        raise ConfigError(
+            f"{merged[0][0]} has adapter {merged[0][1]!r} merged into its base; unmerge() to export adapters switched at "
+            "run time, or etblocks.adapters.merge_adapter(model, name) to export one adapter baked into the weights"
+        )
     slots = tuple(
         AdapterSlot(layer.target or name, layer.rows, layer.in_features, layer.out_features, layer.max_rank) for name, layer in layers
     )

@@ -92,6 +92,7 @@ class Runner:
         elif self.contract is not None and self.contract.adapters:
             self.adapter_table = self.contract.adapter_table  # passed with every call by the driver
         self._adapters: dict[str, list[torch.Tensor]] = {}
+        self._base_slots = self.adapter_table.inputs(None) if self.adapter_table is not None else []
         self.adapter: str | None = None
         for name, file in (adapters or {}).items():
             self.add_adapter(name, *(file if isinstance(file, tuple) else (file,)))
@@ -119,7 +120,7 @@ class Runner:
         if name is not None and name not in self._adapters:
             raise ConfigError(f"name={name!r} is not an added adapter; added: {self.adapters}, or None for the base model")
         if self.adapter_table is not None:  # a program without slots is the base model already
-            slots = self._adapters[name] if name is not None else self.adapter_table.inputs(None)
+            slots = self._adapters[name] if name is not None else self._base_slots
             if self.contract is None:
                 self._set_slots.execute(slots)
             else:

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from peft_refs import ADAPTERS, make_adapter, peft_reference
 
 import etblocks
+from etblocks.adapters import merge_adapter
 from etblocks.adapters.files import adapter_tensors, save_adapter_file
 from etblocks.adapters.peft import read_peft_adapter
 from etblocks.errors import AdapterMismatchError, ConfigError
@@ -149,3 +150,49 @@ def test_adapter_files_that_do_not_fit_are_refused(exported, tmp_path):
         runner.set_adapter("B")
     with pytest.raises(ConfigError, match="this program has no LoRA slots"):
         etblocks.Runner(base_result.path).add_adapter("A", result.adapters["A"])
+
+
+@pytest.mark.slow
+def test_merged_adapter_exports_as_a_plain_program(tmp_path):
+    """One adapter baked in: `merge_adapter` leaves no LoRA layer, so the program has no slots and generates
+    PeftModel's tokens with that adapter."""
+    base = tiny_model("qwen3")
+    for seed, (name, options) in enumerate(ADAPTERS.items()):
+        make_adapter(base, tmp_path / name, seed, **options)
+    reference = peft_reference(base, {name: tmp_path / name for name in ADAPTERS})
+    reference.set_adapter("B")
+    model = etblocks.swap(copy.deepcopy(base), backend="xnnpack", max_seq_len=CONTEXT)
+    for name in ADAPTERS:
+        etblocks.load_adapter(model, tmp_path / name, name=name)
+    assert len(merge_adapter(model, "B")) == 2 * 7
+    assert not lora_layers(model)
+    tokens = prompt_ids(12)
+    with torch.no_grad():
+        assert (model(tokens).logits - reference(tokens).logits).abs().max().item() <= ATOL
+    result = etblocks.export(model, backend="xnnpack", out=tmp_path / "merged.pte")
+    assert result.adapters == {} and "set_adapter" not in result.methods
+    assert etblocks.Runner(result.path).generate(tokens[0].tolist(), max_new_tokens=32) == hf_greedy(reference, tokens, 32)
+
+
+@pytest.mark.slow
+def test_hybrid_static_program_takes_the_slots_as_inputs(tmp_path):
+    """The static in-place (hybrid) contract: slots are inputs of prefill and decode after tokens and input_pos;
+    A, B and none generate PeftModel's tokens for a prompt longer than a chunk."""
+    base = tiny_model("llama")
+    dirs = {name: tmp_path / name for name in ADAPTERS}
+    for seed, (name, options) in enumerate(ADAPTERS.items()):
+        make_adapter(base, dirs[name], seed, **options)
+    reference = peft_reference(base, dirs)
+    model = etblocks.swap(copy.deepcopy(base), backend="xnnpack", max_seq_len=CONTEXT, chunk=16,
+                          shapes="static", cache="inplace", partition="hybrid")
+    for name in ADAPTERS:
+        etblocks.load_adapter(model, dirs[name], name=name)
+    result = etblocks.export(model, backend="xnnpack", out=tmp_path / "hybrid.pte")
+    runner = etblocks.Runner(result.path, adapters=result.adapters)
+    assert runner.contract.inputs()[:3] == ["tokens", "input_pos", "slot_a.0"]
+    prompt = prompt_ids(21)
+    for name in ("A", "B", None):
+        runner.set_adapter(name)
+        with peft_with(reference, name) as peft_model:
+            expected = hf_greedy(peft_model, prompt, 32)
+        assert runner.generate(prompt[0].tolist(), max_new_tokens=32) == expected, name
