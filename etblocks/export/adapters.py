@@ -74,6 +74,7 @@ class AdapterTable:
         return [t for slot in self.slots for t in slot.inputs(None if tensors is None else tensors.get(slot.target), scale, dtype)]
 
     def check(self, tensors: dict[str, LoRATensors]) -> None:
+        """Every target of the adapter has slots here, whose shapes take its tensors at a rank they can hold."""
         by_target: dict[str, list[AdapterSlot]] = {}
         for slot in self.slots:
             by_target.setdefault(slot.target, []).append(slot)
