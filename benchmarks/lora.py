@@ -35,28 +35,29 @@ Measured, in this order, in one run:
     PYTHONPATH=. python benchmarks/lora.py                 # full 30-layer run (8-13 minutes on 2 shared cores)
     PYTHONPATH=. python benchmarks/lora.py --layers 2      # smoke run (about 70 s, mostly the 4 exports)
 
-Full default run (30 layers, every default; 8 minutes on this project's 2-core machine, shared with other jobs;
-etblocks 3a306ea, whose LoRA path is XNNPACK `bmm`s over `[None]` views of the slots):
+Full default run (30 layers, every default; 7 minutes on this project's 2-core machine; etblocks ebc493d, whose
+LoRA path is XNNPACK `bmm`s over `[None]` views of the slots):
 
     correctness   slot program with A, B, None: 8/8 greedy tokens equal PeftModel.generate (base-only, merged: 8/8)
     .pte          base-only 651,505,664 B; slot program 651,888,384 B (+382.7 KB); merged A / B 651,505,408 B each
     .ptd          A 19,591,424 B = its 420 tensors + 53,504 B; B 1,858,688 B = its 120 tensors + 15,488 B
-    RSS (MB)      slot program: Runner +713.8, add_adapter(A) +43.3, add_adapter(B) +1.9, 100 switches +18.1,
+    RSS (MB)      slot program: Runner +713.8, add_adapter(A) +43.4, add_adapter(B) +2.1, 100 switches +18.1,
                   100 more +0.0 (777 over the bare runtime in all)
-                  per adapter: Runner(merged A) +670.6, Runner(merged B) +670.5 (1341 for two adapters)
-    switch        set_adapter: median 1.00 ms, p90 1.98 ms (A / B 0.92-1.00 ms; None 1.94 ms: it builds 19.5 MB of
-                  zero slots every call); Runner(merged program) median 94 ms (94x), Runner(slot program) 99 ms
+                  per adapter: Runner(merged A) +670.6, Runner(merged B) +670.6 (1341 for two adapters)
+    switch        set_adapter: median 1.00 ms, p90 1.94 ms (A / B 0.96-0.98 ms, None 1.90 ms); Runner(merged
+                  program) median 92 ms (92x), Runner(slot program) 122 ms
     decode        tok/s, median of 7 rounds [min-max], ratio to (a); prefill of the 16-token prompt in tok/s
-                  (a) base-only                  52.2 [51.8-54.1]  1.00x   prefill 300  1.00x
-                  (b) slot program, None         38.1 [35.4-38.8]  0.72x   prefill 256  0.85x
-                  (c) slot program, A            37.7 [34.2-40.7]  0.71x   prefill 258  0.84x
-                  (d) merged A (one per adapter) 51.5 [50.2-61.1]  0.99x   prefill 299  1.01x
+                  (a) base-only                  83.3 [80.2-111.8]  1.00x   prefill 547  1.00x
+                  (b) slot program, None         59.8 [57.4-72.9]   0.71x   prefill 475  0.85x
+                  (c) slot program, A            59.0 [54.8-73.1]   0.70x   prefill 471  0.88x
+                  (d) merged A (one per adapter) 82.3 [69.3-111.4]  0.96x   prefill 547  1.02x
 
-What the unmerged path costs per decode step (ETDump of the same programs, 30 layers): 17.6 -> 25.2 ms, of which
-5.5 ms are the 420 XNNPACK batch matmuls whose right operands are run-time slots (about 13 us each, all
-adapters alike: a slot's padding is computed too) and 0.9 ms the 422 `unsqueeze_copy`s copying the slots out of
-their buffers on CPU. The earlier design (359b7ac: portable `mm` outside XNNPACK, 152 partitions) ran at
-0.85-0.88x of base-only in the same process against 0.71-0.75x for 3a306ea (both rows interleaved, 9 rounds).
+What the unmerged path costs per decode step (ETDump of the same programs, 30 layers, an earlier run): 17.6 ->
+25.2 ms, of which 5.5 ms are the 420 XNNPACK batch matmuls whose right operands are run-time slots (about 13 us
+each, all adapters alike: a slot's padding is computed too) and 0.9 ms the 422 `unsqueeze_copy`s copying the
+slots out of their buffers on CPU. The LoRA matmuls as portable `mm`s outside XNNPACK (152 partitions instead of
+33) measured 0.85-0.88x against 0.71-0.75x in one interleaved comparison and 0.81x against 0.79x in another: no
+consistent gain. For one adapter at the base's speed, `etblocks.adapters.merge_adapter` bakes it in as row (d) does.
 """
 
 from __future__ import annotations
