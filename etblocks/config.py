@@ -144,8 +144,8 @@ def _adapter_dirs(value: Any) -> dict[str, str]:
 
 def _adapter_choice(value: Any) -> tuple[str, str | None]:
     """`(name, file or None)` from "NAME" (the file written next to the .pte) or "NAME=FILE.ptd"."""
-    name, _, file = _text(value).partition("=")
-    if not name.strip() or (_ and not file.strip()):
+    name, separator, file = _text(value).partition("=")
+    if not name.strip() or (separator and not file.strip()):
         raise _Rejected("give an adapter name, or NAME=FILE.ptd")
     return name, file or None
 

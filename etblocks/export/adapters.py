@@ -202,4 +202,9 @@ def reads_slot(ep: torch.export.ExportedProgram, node: torch.fx.Node) -> bool:
 
 
 def keep_slots_on_cpu(partitioner):
-    return keep_on_cpu(partitioner, reads_slot, "adapters switched at run time")
+    why = (
+        "LoRA slots in a dynamic program (kept away from the delegate, which would freeze them; for other backends "
+        "swap with shapes='static', whose programs take the slots as inputs, or bake one adapter in with "
+        "etblocks.adapters.merge_adapter)"
+    )
+    return keep_on_cpu(partitioner, reads_slot, why)

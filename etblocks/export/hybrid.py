@@ -3,6 +3,7 @@ dynamic-length attention on CPU (ExecuTorch forum, "Support of Dynamic and Stati
 
 An NPU holds no state between calls and takes fixed shapes only; the cache update and the attention over the
 filled part of the cache are neither. Everything else of a static program is, so it goes to the delegate.
+`keep_on_cpu` is the partitioner filter underneath, also used to keep LoRA slot reads off the delegate.
 """
 
 from __future__ import annotations

@@ -196,3 +196,51 @@ def test_hybrid_static_program_takes_the_slots_as_inputs(tmp_path):
         with peft_with(reference, name) as peft_model:
             expected = hf_greedy(peft_model, prompt, 32)
         assert runner.generate(prompt[0].tolist(), max_new_tokens=32) == expected, name
+
+
+def test_dynamic_program_with_slots_refuses_a_partitioner_it_cannot_filter(tmp_path):
+    """OpenVINO's partitioner cannot be told to leave the slot reads alone; refused before any export work."""
+    base = tiny_model("llama")
+    make_adapter(base, tmp_path / "A", 0, **ADAPTERS["A"])
+    model = etblocks.swap(copy.deepcopy(base), backend="xnnpack", max_seq_len=CONTEXT)
+    etblocks.load_adapter(model, tmp_path / "A", name="A")
+    with pytest.raises(ConfigError, match=r"LoRA slots in a dynamic program .* swap with shapes='static'.*got OpenvinoPartitioner"):
+        etblocks.export(model, backend="openvino", out=tmp_path / "never.pte")
+    assert not (tmp_path / "never.pte").exists()
+
+
+@pytest.mark.slow
+def test_openvino_static_program_switches_adapters(tmp_path):
+    """The openvino recipe (static, io caches): the slots are inputs, OpenVINO runs the LoRA path here."""
+    pytest.importorskip("openvino")
+    base = tiny_model("qwen3")
+    dirs = {name: tmp_path / name for name in ADAPTERS}
+    for seed, (name, options) in enumerate(ADAPTERS.items()):
+        make_adapter(base, dirs[name], seed, **options)
+    reference = peft_reference(base, dirs)
+    model = etblocks.swap(copy.deepcopy(base), backend="openvino", max_seq_len=CONTEXT, chunk=16)
+    for name in ADAPTERS:
+        etblocks.load_adapter(model, dirs[name], name=name)
+    result = etblocks.export(model, backend="openvino", out=tmp_path / "ov.pte")
+    assert result.delegation.ops_per_delegate.get("OpenvinoBackend", 0) > 0
+    runner = etblocks.Runner(result.path, adapters=result.adapters)
+    prompt = prompt_ids(13)
+    for name in ("A", "B", None):
+        runner.set_adapter(name)
+        with peft_with(reference, name) as peft_model:
+            expected = hf_greedy(peft_model, prompt, 32)
+        assert runner.generate(prompt[0].tolist(), max_new_tokens=32) == expected, name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["coreml", "vulkan"])
+def test_npu_programs_with_slot_inputs_lower_whole(backend, tmp_path):
+    """Core ML and Vulkan (lower here, run on device) take the slot inputs into their one partition per method."""
+    base = tiny_model("llama")
+    make_adapter(base, tmp_path / "A", 0, **ADAPTERS["A"])
+    model = etblocks.swap(copy.deepcopy(base), backend=backend, max_seq_len=CONTEXT, chunk=16)
+    etblocks.load_adapter(model, tmp_path / "A", name="A")
+    result = etblocks.export(model, backend=backend, out=tmp_path / f"{backend}.pte")
+    assert list(result.adapters) == ["A"]
+    for method, summary in result.delegations.items():
+        assert len(summary.partitions) == 1 and summary.n_cpu_ops == 0, f"{method}: {summary}"
