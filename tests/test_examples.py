@@ -131,3 +131,25 @@ def test_custom_attention_hook_changes_outputs(custom_model):
     torch.testing.assert_close(plain_logits, ref_plain, rtol=1e-4, atol=1e-4)
     # ...and the gate moves the logits by far more than that tolerance.
     assert (gated_logits - plain_logits).abs().max() > 0.1
+
+
+@pytest.mark.slow
+def test_lora_example_matches_peft_generate(tmp_path):
+    """Each adapter's tokens from the example's one program equal PeftModel's `generate` with that adapter."""
+    from peft import PeftModel
+
+    example = _load_example("lora_adapters")
+    tokens = example.main(tmp_path)
+    reference = PeftModel.from_pretrained(example.base_model(), tmp_path / "chat", adapter_name="chat")
+    reference.load_adapter(tmp_path / "code", adapter_name="code")
+    prompt = torch.tensor([[1, 17, 42, 99, 7]])
+    for name in ("chat", "code", None):
+        with torch.no_grad():
+            if name is None:
+                with reference.disable_adapter():
+                    expected = reference.generate(prompt, do_sample=False, max_new_tokens=12)
+            else:
+                reference.set_adapter(name)
+                expected = reference.generate(prompt, do_sample=False, max_new_tokens=12)
+        assert tokens[name] == expected[0, prompt.shape[1]:].tolist(), name
+    assert len({tuple(t) for t in tokens.values()}) == 3
