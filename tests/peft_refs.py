@@ -1,11 +1,17 @@
-"""PEFT adapters made in a test, and the `PeftModel` reference holding them: shared by the adapter tests."""
+"""PEFT adapters made in a test, the `PeftModel` reference holding them, and the swapped model they are loaded
+into: shared by the adapter tests."""
 
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+
+import etblocks
 
 # A: rank and alpha patterns on a subset of modules. B: rsLoRA on every linear layer.
 ADAPTERS = {
@@ -32,3 +38,29 @@ def peft_reference(base, dirs) -> PeftModel:
     model = PeftModel.from_pretrained(copy.deepcopy(base), dirs["A"], adapter_name="A")
     model.load_adapter(dirs["B"], adapter_name="B")
     return model.eval()
+
+
+def make_adapters(base: torch.nn.Module, root: Path) -> dict[str, Path]:
+    """Every adapter of `ADAPTERS` made for `base` in `root/<name>` (seeded by its order)."""
+    for seed, (name, options) in enumerate(ADAPTERS.items()):
+        make_adapter(base, root / name, seed, **options)
+    return {name: root / name for name in ADAPTERS}
+
+
+@contextmanager
+def peft_with(reference: PeftModel, name: str | None) -> Iterator[PeftModel]:
+    """`reference` running adapter `name`, or the base model for None."""
+    if name is None:
+        with reference.disable_adapter():
+            yield reference
+    else:
+        reference.set_adapter(name)
+        yield reference
+
+
+def swapped_with(base: torch.nn.Module, dirs: dict[str, Path], backend: str = "xnnpack", max_seq_len: int = 64, **swap_options):
+    """A copy of `base` swapped for `backend` with every adapter of `dirs` loaded under its name."""
+    model = etblocks.swap(copy.deepcopy(base), backend=backend, max_seq_len=max_seq_len, **swap_options)
+    for name, directory in dirs.items():
+        etblocks.load_adapter(model, directory, name=name)
+    return model

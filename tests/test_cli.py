@@ -368,12 +368,9 @@ def test_backends_table(monkeypatch, capsys):
 def test_export_and_run_with_adapters_matches_peft(demo_hf, tmp_path, capsys):
     """`export --adapter NAME=DIR` twice ships two .ptd files next to the .pte; `run --adapter NAME` generates
     PeftModel's tokens with that adapter, and `--adapter-scale 0` the base model's."""
-    from peft_refs import ADAPTERS, make_adapter, peft_reference
+    from peft_refs import ADAPTERS, make_adapters, peft_reference
 
-    dirs = {}
-    for seed, (name, options) in enumerate(ADAPTERS.items()):
-        make_adapter(demo_hf, tmp_path / name, seed, **options)
-        dirs[name] = tmp_path / name
+    dirs = make_adapters(demo_hf, tmp_path)
     pte = tmp_path / "demo.pte"
     args = ["export", "--model", "demo", "--out", str(pte), "--max-seq-len", str(MAX_SEQ_LEN)]
     assert main(args + [f"--adapter={name}={path}" for name, path in dirs.items()]) == 0

@@ -10,13 +10,12 @@ about its tensors; adapter files that do not fit the program are refused and cha
 from __future__ import annotations
 
 import copy
-from contextlib import contextmanager
 
 import pytest
 import torch
 from hf_models import hf_greedy, prompt_ids, tiny_model
+from peft_refs import ADAPTERS, make_adapter, make_adapters, peft_reference, peft_with, swapped_with
 from safetensors.torch import load_file
-from peft_refs import ADAPTERS, make_adapter, peft_reference
 
 import etblocks
 from etblocks.adapters import merge_adapter
@@ -25,8 +24,17 @@ from etblocks.adapters.peft import read_peft_adapter
 from etblocks.errors import AdapterMismatchError, ConfigError
 from etblocks.export.adapters import adapter_slots, lora_layers
 
-ATOL = 1e-4  # the exported program (XNNPACK base, portable LoRA matmuls) vs eager PEFT
+ATOL = 1e-4  # the exported program vs eager PEFT
 CONTEXT = 64
+
+
+def assert_switches_match_peft(runner: etblocks.Runner, reference, prompt: torch.Tensor, names=("A", "B", None)) -> None:
+    """After `runner.set_adapter(name)` the program's 32 greedy tokens equal PeftModel's with that adapter."""
+    for name in names:
+        runner.set_adapter(name)
+        with peft_with(reference, name):
+            expected = hf_greedy(reference, prompt, 32)
+        assert runner.generate(prompt[0].tolist(), max_new_tokens=32) == expected, name
 
 
 def test_slots_compute_what_the_named_adapters_compute(tmp_path):
@@ -34,8 +42,7 @@ def test_slots_compute_what_the_named_adapters_compute(tmp_path):
     equal the base."""
     base = tiny_model("llama")
     make_adapter(base, tmp_path / "B", 1, **ADAPTERS["B"])
-    model = etblocks.swap(copy.deepcopy(base), backend="xnnpack", max_seq_len=CONTEXT)
-    etblocks.load_adapter(model, tmp_path / "B", name="B")
+    model = swapped_with(base, {"B": tmp_path / "B"})
     tokens = prompt_ids(10)
     with torch.no_grad():
         expected = model(tokens).logits
@@ -58,27 +65,11 @@ def exported(request, tmp_path_factory):
     """(base, PeftModel with A and B, the adapter program's ExportResult, the base-only program, adapter dirs)."""
     base = tiny_model(request.param)
     root = tmp_path_factory.mktemp(f"lora-{request.param}")
-    for seed, (name, options) in enumerate(ADAPTERS.items()):
-        make_adapter(base, root / name, seed, **options)
-    dirs = {name: root / name for name in ADAPTERS}
-    model = copy.deepcopy(base)
-    etblocks.swap(model, backend="xnnpack", max_seq_len=CONTEXT)
-    for name in ADAPTERS:
-        etblocks.load_adapter(model, dirs[name], name=name)
-    result = etblocks.export(model, backend="xnnpack", out=root / "model.pte")
+    dirs = make_adapters(base, root)
+    result = etblocks.export(swapped_with(base, dirs), backend="xnnpack", out=root / "model.pte")
     plain = etblocks.swap(copy.deepcopy(base), backend="xnnpack", max_seq_len=CONTEXT)
     base_result = etblocks.export(plain, backend="xnnpack", out=root / "base.pte")
     return base, peft_reference(base, dirs), result, base_result, dirs
-
-
-@contextmanager
-def peft_with(reference, name: str | None):
-    if name is None:
-        with reference.disable_adapter():
-            yield reference
-    else:
-        reference.set_adapter(name)
-        yield reference
 
 
 @pytest.mark.slow
@@ -157,13 +148,10 @@ def test_merged_adapter_exports_as_a_plain_program(tmp_path):
     """One adapter baked in: `merge_adapter` leaves no LoRA layer, so the program has no slots and generates
     PeftModel's tokens with that adapter."""
     base = tiny_model("qwen3")
-    for seed, (name, options) in enumerate(ADAPTERS.items()):
-        make_adapter(base, tmp_path / name, seed, **options)
-    reference = peft_reference(base, {name: tmp_path / name for name in ADAPTERS})
+    dirs = make_adapters(base, tmp_path)
+    reference = peft_reference(base, dirs)
     reference.set_adapter("B")
-    model = etblocks.swap(copy.deepcopy(base), backend="xnnpack", max_seq_len=CONTEXT)
-    for name in ADAPTERS:
-        etblocks.load_adapter(model, tmp_path / name, name=name)
+    model = swapped_with(base, dirs)
     assert len(merge_adapter(model, "B")) == 2 * 7
     assert not lora_layers(model)
     tokens = prompt_ids(12)
@@ -179,31 +167,19 @@ def test_hybrid_static_program_takes_the_slots_as_inputs(tmp_path):
     """The static in-place (hybrid) contract: slots are inputs of prefill and decode after tokens and input_pos;
     A, B and none generate PeftModel's tokens for a prompt longer than a chunk."""
     base = tiny_model("llama")
-    dirs = {name: tmp_path / name for name in ADAPTERS}
-    for seed, (name, options) in enumerate(ADAPTERS.items()):
-        make_adapter(base, dirs[name], seed, **options)
-    reference = peft_reference(base, dirs)
-    model = etblocks.swap(copy.deepcopy(base), backend="xnnpack", max_seq_len=CONTEXT, chunk=16,
-                          shapes="static", cache="inplace", partition="hybrid")
-    for name in ADAPTERS:
-        etblocks.load_adapter(model, dirs[name], name=name)
+    dirs = make_adapters(base, tmp_path)
+    model = swapped_with(base, dirs, chunk=16, shapes="static", cache="inplace", partition="hybrid")
     result = etblocks.export(model, backend="xnnpack", out=tmp_path / "hybrid.pte")
     runner = etblocks.Runner(result.path, adapters=result.adapters)
     assert runner.contract.inputs()[:3] == ["tokens", "input_pos", "slot_a.0"]
-    prompt = prompt_ids(21)
-    for name in ("A", "B", None):
-        runner.set_adapter(name)
-        with peft_with(reference, name) as peft_model:
-            expected = hf_greedy(peft_model, prompt, 32)
-        assert runner.generate(prompt[0].tolist(), max_new_tokens=32) == expected, name
+    assert_switches_match_peft(runner, peft_reference(base, dirs), prompt_ids(21))
 
 
 def test_dynamic_program_with_slots_refuses_a_partitioner_it_cannot_filter(tmp_path):
     """OpenVINO's partitioner cannot be told to leave the slot reads alone; refused before any export work."""
     base = tiny_model("llama")
     make_adapter(base, tmp_path / "A", 0, **ADAPTERS["A"])
-    model = etblocks.swap(copy.deepcopy(base), backend="xnnpack", max_seq_len=CONTEXT)
-    etblocks.load_adapter(model, tmp_path / "A", name="A")
+    model = swapped_with(base, {"A": tmp_path / "A"})
     with pytest.raises(ConfigError, match=r"LoRA slots in a dynamic program .* swap with shapes='static'.*got OpenvinoPartitioner"):
         etblocks.export(model, backend="openvino", out=tmp_path / "never.pte")
     assert not (tmp_path / "never.pte").exists()
@@ -214,22 +190,11 @@ def test_openvino_static_program_switches_adapters(tmp_path):
     """The openvino recipe (static, io caches): the slots are inputs, OpenVINO runs the LoRA path here."""
     pytest.importorskip("openvino")
     base = tiny_model("qwen3")
-    dirs = {name: tmp_path / name for name in ADAPTERS}
-    for seed, (name, options) in enumerate(ADAPTERS.items()):
-        make_adapter(base, dirs[name], seed, **options)
-    reference = peft_reference(base, dirs)
-    model = etblocks.swap(copy.deepcopy(base), backend="openvino", max_seq_len=CONTEXT, chunk=16)
-    for name in ADAPTERS:
-        etblocks.load_adapter(model, dirs[name], name=name)
-    result = etblocks.export(model, backend="openvino", out=tmp_path / "ov.pte")
+    dirs = make_adapters(base, tmp_path)
+    result = etblocks.export(swapped_with(base, dirs, "openvino", chunk=16), backend="openvino", out=tmp_path / "ov.pte")
     assert result.delegation.ops_per_delegate.get("OpenvinoBackend", 0) > 0
     runner = etblocks.Runner(result.path, adapters=result.adapters)
-    prompt = prompt_ids(13)
-    for name in ("A", "B", None):
-        runner.set_adapter(name)
-        with peft_with(reference, name) as peft_model:
-            expected = hf_greedy(peft_model, prompt, 32)
-        assert runner.generate(prompt[0].tolist(), max_new_tokens=32) == expected, name
+    assert_switches_match_peft(runner, peft_reference(base, dirs), prompt_ids(13))
 
 
 @pytest.mark.slow
@@ -238,8 +203,7 @@ def test_npu_programs_with_slot_inputs_lower_whole(backend, tmp_path):
     """Core ML and Vulkan (lower here, run on device) take the slot inputs into their one partition per method."""
     base = tiny_model("llama")
     make_adapter(base, tmp_path / "A", 0, **ADAPTERS["A"])
-    model = etblocks.swap(copy.deepcopy(base), backend=backend, max_seq_len=CONTEXT, chunk=16)
-    etblocks.load_adapter(model, tmp_path / "A", name="A")
+    model = swapped_with(base, {"A": tmp_path / "A"}, backend, chunk=16)
     result = etblocks.export(model, backend=backend, out=tmp_path / f"{backend}.pte")
     assert list(result.adapters) == ["A"]
     for method, summary in result.delegations.items():

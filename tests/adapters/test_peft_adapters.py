@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from hf_models import assert_untouched, prompt_ids, snapshot_of, tiny_model
-from peft_refs import ADAPTERS, make_adapter, peft_reference
+from peft_refs import make_adapter, make_adapters, peft_reference, peft_with
 
 import etblocks
 from etblocks.adapters import LoRALinear, load_adapter, set_adapter
@@ -23,9 +23,7 @@ ATOL = 1e-5
 def adapters(tmp_path_factory):
     base = tiny_model("llama")
     root = tmp_path_factory.mktemp("adapters")
-    for seed, (name, options) in enumerate(ADAPTERS.items()):
-        make_adapter(base, root / name, seed, **options)
-    return base, {name: root / name for name in ADAPTERS}
+    return base, make_adapters(base, root)
 
 
 def _logits(model, tokens):
@@ -46,11 +44,7 @@ def test_adapters_match_peft(adapters, swapped):
     base_logits = _logits(base, tokens)
     for name in ("A", "B", None):
         set_adapter(model, name)
-        if name is None:
-            with reference.disable_adapter():
-                expected = _logits(reference, tokens)
-        else:
-            reference.set_adapter(name)
+        with peft_with(reference, name):
             expected = _logits(reference, tokens)
         actual = _logits(model, tokens)
         assert (actual - expected).abs().max().item() <= ATOL, name

@@ -16,7 +16,7 @@ import pytest
 import torch
 from attention_refs import causal_mask
 from hf_models import hf_greedy, prompt_ids, snapshot_of, tiny_model
-from peft_refs import ADAPTERS, make_adapter, peft_reference
+from peft_refs import make_adapter, make_adapters, peft_reference, peft_with, swapped_with
 
 import etblocks
 from etblocks.adapters.files import adapter_tensors, save_adapter_file
@@ -36,17 +36,7 @@ def family(request, tmp_path_factory):
     name = request.param
     base = tiny_model(name, **FAMILIES[name])
     root = tmp_path_factory.mktemp(name)
-    for seed, (adapter, options) in enumerate(ADAPTERS.items()):
-        make_adapter(base, root / adapter, seed, **options)
-    return base, {adapter: root / adapter for adapter in ADAPTERS}
-
-
-def swapped_with_adapters(base, dirs) -> torch.nn.Module:
-    model = copy.deepcopy(base)
-    etblocks.swap(model, backend="qnn", max_seq_len=CONTEXT, chunk=CHUNK)
-    for adapter in ADAPTERS:
-        load_adapter(model, dirs[adapter], name=adapter)
-    return model
+    return base, make_adapters(base, root)
 
 
 def eager_logits(model, tokens: torch.Tensor) -> torch.Tensor:
@@ -65,11 +55,7 @@ def eager_logits(model, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def peft_logits(reference, tokens: torch.Tensor, adapter: str | None) -> torch.Tensor:
-    with torch.no_grad():
-        if adapter is None:
-            with reference.disable_adapter():
-                return reference(tokens).logits[0]
-        reference.set_adapter(adapter)
+    with torch.no_grad(), peft_with(reference, adapter):
         return reference(tokens).logits[0]
 
 
@@ -89,7 +75,7 @@ def target_weight(parts: list[LoRALinear]) -> torch.Tensor:
 
 def test_adapters_land_on_the_head_views(family):
     base, dirs = family
-    model = swapped_with_adapters(base, dirs)
+    model = swapped_with(base, dirs, "qnn", max_seq_len=CONTEXT, chunk=CHUNK)
     attn, config = model.model.layers[0].self_attn, base.config
     heads, kv_heads, dh = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     prefix = "model.layers.0.self_attn."
@@ -115,7 +101,7 @@ def test_adapters_land_on_the_head_views(family):
 def test_eager_logits_match_peft(family):
     base, dirs = family
     reference = peft_reference(base, dirs)
-    model = swapped_with_adapters(base, dirs)
+    model = swapped_with(base, dirs, "qnn", max_seq_len=CONTEXT, chunk=CHUNK)
     tokens = prompt_ids(20)
     base_logits = peft_logits(reference, tokens, None)
     for adapter in ("A", "B", None):
@@ -132,7 +118,7 @@ def test_merge_writes_each_head_rows(family):
     original weight."""
     base, dirs = family
     reference = peft_reference(base, dirs)
-    model = swapped_with_adapters(base, dirs)
+    model = swapped_with(base, dirs, "qnn", max_seq_len=CONTEXT, chunk=CHUNK)
     set_adapter(model, "A")
     tokens = prompt_ids(20)
     unmerged = eager_logits(model, tokens)
@@ -177,23 +163,18 @@ def test_exported_program_with_adapters_matches_peft_generate(family, tmp_path):
     sliced by rows) and switch between A, B and the base model at run time."""
     base, dirs = family
     reference = peft_reference(base, dirs)
-    result = etblocks.export(swapped_with_adapters(base, dirs), backend="xnnpack", out=tmp_path / "sha_lora.pte")
+    result = etblocks.export(swapped_with(base, dirs, "qnn", max_seq_len=CONTEXT, chunk=CHUNK), backend="xnnpack", out=tmp_path / "sha_lora.pte")
     runner = etblocks.Runner(result.path, adapters=result.adapters)
     prompt = prompt_ids(13)
     for adapter in ("A", "B", None):
         runner.set_adapter(adapter)
-        if adapter is None:
-            with reference.disable_adapter():
-                expected = hf_greedy(reference, prompt, 32)
-        else:
-            reference.set_adapter(adapter)
+        with peft_with(reference, adapter):
             expected = hf_greedy(reference, prompt, 32)
         assert (adapter is None) == (expected == hf_greedy(base, prompt, 32)), "the adapter must change the tokens"
         assert runner.generate(prompt[0].tolist(), max_new_tokens=32) == expected, adapter
 
-    mha = etblocks.swap(copy.deepcopy(base), backend="xnnpack", max_seq_len=CONTEXT)  # another recipe, same files
+    mha = swapped_with(base, dirs, max_seq_len=CONTEXT)  # another recipe, the same files
     for adapter, file in result.adapters.items():
-        load_adapter(mha, dirs[adapter], name=adapter)
         same = save_adapter_file(adapter_tensors(mha, adapter), tmp_path / f"mha.{adapter}.ptd")
         assert same.read_bytes() == file.read_bytes(), adapter
 
@@ -202,7 +183,7 @@ def test_exported_program_with_adapters_matches_peft_generate(family, tmp_path):
 @pytest.mark.parametrize("family", ["llama"], indirect=True)
 def test_qnn_program_with_an_adapter_is_ready(family):
     base, dirs = family
-    model = swapped_with_adapters(base, dirs)
+    model = swapped_with(base, dirs, "qnn", max_seq_len=CONTEXT, chunk=CHUNK)
     set_adapter(model, "B")
     for method, readiness in check_qnn(model).items():
         assert readiness.ready, method

@@ -80,13 +80,13 @@ def test_quantized_program_runs_on_the_host(tmp_path):
 def test_quantized_program_with_adapters_runs_on_the_host(tmp_path):
     """LoRA slots are inputs of the quantized program too; calibrated with each adapter and with none, each
     adapter agrees with PeftModel as the base agrees with HF."""
-    from peft_refs import ADAPTERS, make_adapter, peft_reference
+    from peft_refs import ADAPTERS, make_adapters, peft_reference
 
     original, swapped = swap_qnn("llama")
-    for seed, (name, options) in enumerate(ADAPTERS.items()):
-        make_adapter(original, tmp_path / name, seed, **options)
-        etblocks.load_adapter(swapped, tmp_path / name, name=name)
-    reference = peft_reference(original, {name: tmp_path / name for name in ADAPTERS})
+    dirs = make_adapters(original, tmp_path)
+    for name in ADAPTERS:
+        etblocks.load_adapter(swapped, dirs[name], name=name)
+    reference = peft_reference(original, dirs)
     result = etblocks.export(swapped, backend="portable", quantize="16a8w", out=tmp_path / "q.pte")
     runner = etblocks.Runner(result.path, adapters=result.adapters)
     prompts = [prompt_ids(13, seed=seed) for seed in range(4)]
