@@ -45,6 +45,11 @@ class AdapterSlot:
     out_features: int
     rank: int
 
+    @classmethod
+    def from_dict(cls, body: dict) -> AdapterSlot:
+        """From its JSON form (`rows` a list there)."""
+        return cls(**{**body, "rows": tuple(body["rows"]) if body["rows"] else None})
+
     def inputs(self, tensors: LoRATensors | None, scale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """`(slot_a [in, rank], slot_b [rank, out])` for this layer's part of `tensors` (None: zeros)."""
         slot_a = torch.zeros(self.in_features, self.rank, dtype=dtype)
@@ -101,8 +106,7 @@ class AdapterTable:
     @classmethod
     def from_json(cls, text: str) -> AdapterTable:
         body = json.loads(text)
-        slots = tuple(AdapterSlot(**{**s, "rows": tuple(s["rows"]) if s["rows"] else None}) for s in body["slots"])
-        return cls(slots, body["dtype"])
+        return cls(tuple(AdapterSlot.from_dict(slot) for slot in body["slots"]), body["dtype"])
 
     def as_constant(self) -> torch.Tensor:
         """The JSON as a uint8 tensor: one constant-buffer entry (a list would cost one program value per byte)."""

@@ -122,7 +122,7 @@ class StaticContract:
             mask_value=body["mask_value"],
             groups=tuple(CacheGroup(**g) for g in body["groups"]),
             layers=tuple(LayerCache(**layer) for layer in body["layers"]),
-            adapters=AdapterTable.from_json(json.dumps({"slots": body.get("adapters", []), "dtype": body["dtype"]})).slots,
+            adapters=tuple(AdapterSlot.from_dict(slot) for slot in body.get("adapters", [])),
         )
 
     def as_constant(self) -> list[int]:
