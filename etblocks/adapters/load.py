@@ -47,10 +47,18 @@ def load_adapter(model: nn.Module, path: str | Path, name: str = "default", scal
     them. Refused with `AdapterMismatchError`, nothing changed: a target the model lacks, shapes that do not
     fit, a name already taken, anything `read_adapter` refuses.
     """
+    path = Path(path)
+    return attach_adapter(model, read_adapter(model, path), name, scale, source=str(path))
+
+
+def attach_adapter(
+    model: nn.Module, adapter: dict[str, LoRATensors], name: str, scale: float = 1.0, source: str = "adapter"
+) -> list[str]:
+    """Attach `adapter` (`{target module name: LoRATensors}`, as `read_adapter` returns it) to `model` as `name`
+    and make it the active one; `load_adapter` without the reading. `source` names the adapter in errors."""
     if not isinstance(name, str) or not name:
         raise ConfigError(f"name={name!r} is not accepted; give a non-empty adapter name")
-    path = Path(path)
-    layers = {target: _fit(model, target, tensors, path, scale) for target, tensors in read_adapter(model, path).items()}
+    layers = {target: _fit(model, target, tensors, source, scale) for target, tensors in adapter.items()}
     for target, parts in layers.items():
         for module_name, _, _ in parts:
             module = model.get_submodule(module_name)
@@ -94,7 +102,7 @@ def adapter_names(model: nn.Module) -> list[str]:
 
 
 def _fit(
-    model: nn.Module, target: str, tensors: LoRATensors, path: Path, scale: float
+    model: nn.Module, target: str, tensors: LoRATensors, source: str, scale: float
 ) -> list[tuple[str, tuple[int, int] | None, LoRAWeights]]:
     """`tensors` checked against the modules that now compute `target`, as `(module name, rows, weights)` per
     module with `lora_B` cut to its rows."""
@@ -104,7 +112,7 @@ def _fit(
     odd = next((module for module, base in zip(modules, bases) if not isinstance(base, (nn.Linear, Conv2dLinear))), None)
     if not parts or odd is not None:
         what = "is not in the model" if not parts else f"is a {type(odd).__name__}, not a Linear"
-        raise AdapterMismatchError(f"{path}: target module {target} {what}; was this adapter made for this model?")
+        raise AdapterMismatchError(f"{source}: target module {target} {what}; was this adapter made for this model?")
     lora_A, lora_B, factor = tensors
     rank = lora_A.shape[0]
     in_features = bases[0].in_features
@@ -112,7 +120,7 @@ def _fit(
     expected = (rank, in_features), (out_features, rank)
     if (tuple(lora_A.shape), tuple(lora_B.shape)) != expected:
         raise AdapterMismatchError(
-            f"{path}: {target} has lora_A {tuple(lora_A.shape)}, lora_B {tuple(lora_B.shape)}; the model's "
+            f"{source}: {target} has lora_A {tuple(lora_A.shape)}, lora_B {tuple(lora_B.shape)}; the model's "
             f"{in_features} -> {out_features} layer at rank {rank} needs {expected[0]} and {expected[1]}"
         )
     dtype = bases[0].weight.dtype

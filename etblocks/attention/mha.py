@@ -7,7 +7,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from etblocks.attention.rope import RotaryEmbedding, apply_rotary, rotate_half_matrix
+from etblocks.attention.rope import RotaryEmbedding, apply_rotary, rotation_matrix
 from etblocks.attention.sdpa import SDPA
 from etblocks.kv_cache.base import KVCache
 from etblocks.kv_cache.io import IOKVCache
@@ -23,6 +23,12 @@ def check_sinks(sinks: torch.Tensor | None, n_heads: int, sdpa: SDPA) -> None:
         raise ValueError(f"sinks must have shape [{n_heads}] (one per query head); got {tuple(sinks.shape)}")
     if not sdpa.supports_sinks:
         raise ValueError(f"{type(sdpa).__name__} cannot apply attention sinks; use DynamicSDPA or StaticSDPA")
+
+
+def check_rope(rope: RotaryEmbedding | None, head_dim: int) -> None:
+    """An interleaved rope must rotate the whole head (partial rotary is a rotate-half scheme)."""
+    if rope is not None and rope.interleaved and rope.rotary_dim != head_dim:
+        raise ValueError(f"an interleaved rope must cover the whole head_dim={head_dim}; it covers {rope.rotary_dim}")
 
 
 class Attention(nn.Module):
@@ -61,6 +67,7 @@ class Attention(nn.Module):
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
         check_sinks(sinks, n_heads, sdpa)
+        check_rope(rope, head_dim)
         if (qkv_proj is None) == (q_proj is None):
             raise ValueError("give either q_proj, k_proj and v_proj, or one fused qkv_proj")
         self.n_heads = n_heads
@@ -70,7 +77,8 @@ class Attention(nn.Module):
         self.q_norm, self.k_norm = q_norm, k_norm
         self.qk_norm_layout = qk_norm_layout
         self.rope = rope
-        self.register_buffer("rotation", rotate_half_matrix(head_dim), persistent=False)
+        interleaved = rope is not None and rope.interleaved
+        self.register_buffer("rotation", rotation_matrix(head_dim, interleaved), persistent=False)
         self.sdpa = sdpa
         self.kv_cache = kv_cache
         self.register_parameter("sinks", sinks)
@@ -96,7 +104,8 @@ class Attention(nn.Module):
     def rotate(
         self, q: torch.Tensor, k: torch.Tensor, input_pos: torch.Tensor, position_embeddings=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotary embeddings from the given `(cos, sin)` or from this block's own `rope`; none if neither."""
+        """Rotary embeddings from the given `(cos, sin)` or from this block's own `rope` (whose layout `rotation`
+        follows); none if neither."""
         if position_embeddings is None:
             if self.rope is None:
                 return q, k

@@ -1,4 +1,9 @@
-"""Rotary position embeddings: frequency tables and their application (HF's rotate-half layout)."""
+"""Rotary position embeddings: frequency tables and their application.
+
+Two layouts pair a head's dims differently: rotate-half (HF) rotates dim i with dim i + D/2; interleaved (Meta's
+original, torchtune's `RotaryPositionalEmbeddings`) rotates dims 2i and 2i + 1. Both are `x * cos + r(x) * sin`
+with the tables and the partner map `r` in the same layout.
+"""
 
 from __future__ import annotations
 
@@ -37,12 +42,15 @@ class RotaryEmbedding(nn.Module):
     """Turns absolute positions `[T]` into `(cos, sin)` tables `[T, rotary_dim]`.
 
     `attention_scaling` multiplies both tables (YaRN-style schemes fold their magnitude correction in here).
+    `interleaved=True` lays the tables out for interleaved pairs (`f0, f0, f1, f1, ...`); blocks with such a rope
+    rotate with `rotate_pairs`.
     """
 
-    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float = 1.0) -> None:
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float = 1.0, interleaved: bool = False) -> None:
         super().__init__()
         self.register_buffer("inv_freq", inv_freq.float().clone(), persistent=False)
         self.attention_scaling = attention_scaling
+        self.interleaved = interleaved
 
     @property
     def rotary_dim(self) -> int:
@@ -50,7 +58,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
+        emb = torch.stack((freqs, freqs), dim=-1).flatten(-2) if self.interleaved else torch.cat((freqs, freqs), dim=-1)
         return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
 
 
@@ -69,12 +77,32 @@ def rotate_half_matrix(dim: int, dtype: torch.dtype = torch.float32) -> torch.Te
     return matrix
 
 
+def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """The interleaved partner of `x`: `(x0, x1, x2, x3, ...)` -> `(-x1, x0, -x3, x2, ...)`."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def rotate_pairs_matrix(dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`R [dim, dim]` with `x @ R == rotate_pairs(x)` (see `rotate_half_matrix`)."""
+    even = 2 * torch.arange(dim // 2)
+    matrix = torch.zeros(dim, dim, dtype=dtype)
+    matrix[even + 1, even] = -1.0
+    matrix[even, even + 1] = 1.0
+    return matrix
+
+
+def rotation_matrix(dim: int, interleaved: bool) -> torch.Tensor:
+    """The partner map of a rope layout as a matrix: `rotate_pairs_matrix` or `rotate_half_matrix`."""
+    return rotate_pairs_matrix(dim) if interleaved else rotate_half_matrix(dim)
+
+
 def apply_rotary(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotation: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Rotate `x [B, T, H, D]` by `cos, sin [..., T, R]` with R <= D (partial rotary leaves dims R: untouched).
 
-    `rotation` (`rotate_half_matrix(D)`) replaces the slice-and-concat of a full rotation with a matmul.
+    `rotation` (`rotation_matrix(D, interleaved)`) replaces the slice-and-concat of a full rotation with a matmul;
+    without it the layout is rotate-half. Interleaved tables need it (and R == D).
     """
     # Insert the head axis with a reshape that infers T: a plain unsqueeze of a dynamic length stays on CPU.
     table_shape = (*cos.shape[:-2], -1, 1, cos.shape[-1])

@@ -15,19 +15,20 @@ from torch import nn
 
 from etblocks.attention.conv import Conv2dLinear
 from etblocks.attention.masks import additive_mask
-from etblocks.attention.mha import Attention, check_sinks
-from etblocks.attention.rope import RotaryEmbedding, rotate_half
+from etblocks.attention.mha import Attention, check_rope, check_sinks
+from etblocks.attention.rope import RotaryEmbedding, rotate_half, rotate_pairs
 from etblocks.attention.sdpa import SDPA, softmax_with_sinks
 from etblocks.kv_cache.io import IOKVCache
 
 RotaryTables = tuple[torch.Tensor, torch.Tensor]
 
 
-def apply_rotary_3d(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate one head `x [B, T, Dh]` by `cos, sin [T, R]` (or `[B, T, R]`), R <= Dh; dims R: pass through."""
+def apply_rotary_3d(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotate one head `x [B, T, Dh]` by `cos, sin [T, R]` (or `[B, T, R]`), R <= Dh; dims R: pass through.
+    `interleaved` tables rotate pairs `(2i, 2i + 1)` and cover the whole head."""
     rotary_dim = cos.shape[-1]
     if rotary_dim == x.shape[-1]:
-        return x * cos + rotate_half(x) * sin
+        return x * cos + (rotate_pairs(x) if interleaved else rotate_half(x)) * sin
     x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
     return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
 
@@ -49,10 +50,10 @@ def _as_linear(proj: nn.Module | None, name: str) -> nn.Linear:
 
 class ProjectionPart(NamedTuple):
     """Submodule `module` (a path inside the block, e.g. `q_heads.1`) computes output rows `[start, stop)` of
-    the projection it was split from."""
+    the projection it was split from; `rows=None`: all of them (a projection the block only renamed)."""
 
     module: str
-    rows: tuple[int, int]
+    rows: tuple[int, int] | None
 
 
 def head_parts(heads: str, start: int, n_heads: int, head_dim: int) -> list[ProjectionPart]:
@@ -112,6 +113,7 @@ class SingleHeadAttention(nn.Module):
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
         check_sinks(sinks, n_heads, sdpa)
+        check_rope(rope, head_dim)
         if (len(q_heads), len(k_heads), len(v_heads)) != (n_heads, n_kv_heads, n_kv_heads):
             raise ValueError(
                 f"need {n_heads} q_heads and {n_kv_heads} k_heads and v_heads; "
@@ -179,10 +181,11 @@ class SingleHeadAttention(nn.Module):
         return position_embeddings
 
     def rotate_head(self, x: torch.Tensor, tables: RotaryTables | None) -> torch.Tensor:
-        """Rotary embedding of one q or k head `[B, T, Dh]`."""
+        """Rotary embedding of one q or k head `[B, T, Dh]`, in the layout of this block's own `rope`
+        (rotate-half without one)."""
         if tables is None:
             return x
-        return apply_rotary_3d(x, *tables)
+        return apply_rotary_3d(x, *tables, interleaved=self.rope is not None and self.rope.interleaved)
 
     def attend_head(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor | None = None

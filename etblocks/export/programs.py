@@ -15,8 +15,8 @@ from etblocks.kv_cache.base import find_caches
 from etblocks.kv_cache.io import IOKVCache
 from etblocks.moe import GatherExperts
 from etblocks.swap import set_max_seq_len
-from etblocks.swap.hf.model import is_hf_causal_lm
-from etblocks.swap.hf.program import HFDecoderProgram, HFStaticProgram, hf_token_metadata
+from etblocks.swap.api import model_kind
+from etblocks.swap.program import DecoderProgram, StaticCacheProgram
 from etblocks.swap.recipes import Recipe
 
 # What masked entries of a quantized program's masks hold: -inf has no quantized form (Qualcomm's examples use
@@ -52,35 +52,35 @@ def dynamic_program(
     eos_ids: list[int] | None = None,
     vocab_size: int | None = None,
 ) -> DynamicProgram:
-    """Wrap a swapped HF model, or take a model built from etblocks blocks as it is. `max_seq_len` (default:
-    the caches' length) resizes the caches.
+    """Wrap a swapped upstream model (transformers, torchtune), or take a model built from etblocks blocks as it
+    is. `max_seq_len` (default: the caches' length) resizes the caches.
 
     A call takes up to the whole context, except in a model with `GatherExperts`: each call gathers
     `[T * k, I, D]` expert weights and the memory plan is sized for the longest call, so calls are capped at
     the swap's `chunk` (32 unless `swap(..., chunk=N)` says otherwise).
     """
-    hf_model = is_hf_causal_lm(model)
-    if hf_model:
+    kind = model_kind(model)
+    if kind is not None:
         _swap_info(model)
     caches = find_caches(model)
     if not caches:
         raise ConfigError(f"{type(model).__name__} holds no etblocks KV cache; build it from etblocks blocks")
     if max_seq_len is not None:
         set_max_seq_len(model, max_seq_len)
-    if hf_model:
+    if kind is not None:
         max_seq_len = model.etblocks_swap.max_seq_len  # not from the caches: ring caches hold only a window
-        tokens = hf_token_metadata(model)
-        module = HFDecoderProgram(model)
+        tokens = kind.token_metadata(model)
+        module = DecoderProgram(model, kind)
     else:
         max_seq_len = max_seq_len or max(cache.max_seq_len for cache in caches)
         tokens = {"vocab_size": vocab_size, "bos_id": None, "eos_ids": [], "n_layers": len(caches)}
         module = model
     _override_tokens(tokens, bos_id, eos_ids)
     if tokens["vocab_size"] is None:
-        raise ConfigError("vocab_size=None: give vocab_size= for a model that is not a transformers model")
+        raise ConfigError("vocab_size=None: give vocab_size= for a model built from etblocks blocks")
     call_len = max_seq_len
     if any(isinstance(m, GatherExperts) for m in model.modules()):
-        call_len = min(model.etblocks_swap.recipe.chunk if hf_model else Recipe.chunk, max_seq_len)
+        call_len = min(model.etblocks_swap.recipe.chunk if kind is not None else Recipe.chunk, max_seq_len)
     return DynamicProgram(module, max_seq_len, _llm_runner_metadata(max_seq_len, tokens, call_len=call_len), call_len)
 
 
@@ -113,8 +113,8 @@ def static_program(
     eos_ids: list[int] | None = None,
     quantized: bool = False,
 ) -> StaticProgram:
-    """The static program of a transformers model swapped with `shapes="static"`; `max_seq_len` (default: the
-    swap's) is the context its caches hold."""
+    """The static program of a model swapped with `shapes="static"`; `max_seq_len` (default: the swap's) is
+    the context its caches hold."""
     info = _swap_info(model)
     if not info.recipe.static:
         raise ConfigError(
@@ -124,12 +124,12 @@ def static_program(
     if max_seq_len is not None:
         set_max_seq_len(model, max_seq_len)
     max_seq_len, chunk = model.etblocks_swap.max_seq_len, info.recipe.chunk
-    tokens = hf_token_metadata(model)
+    tokens = info.kind.token_metadata(model)
     dtype = str(info.recipe.dtype).removeprefix("torch.")
     common = dict(chunk=chunk, max_context_len=max_seq_len, vocab_size=tokens["vocab_size"], dtype=dtype)
     if info.recipe.cache == "inplace":
         contract = StaticContract(cache="inplace", mask_value=float("-inf"), **common)
-        module = HFDecoderProgram(model)
+        module = DecoderProgram(model, info.kind)
     else:
         blocks = [m for m in model.modules() if isinstance(getattr(m, "kv_cache", None), IOKVCache)]
         groups: dict[int | None, CacheGroup] = {}
@@ -145,7 +145,7 @@ def static_program(
         contract = StaticContract(
             cache="io", mask_value=mask_value, groups=tuple(groups.values()), layers=tuple(layers), **common
         )
-        module = HFStaticProgram(model, blocks, [order.index(block_sliding_window(block)) for block in blocks])
+        module = StaticCacheProgram(model, info.kind, blocks, [order.index(block_sliding_window(block)) for block in blocks])
     if lora_layers(model):
         n_inputs = len(contract.inputs())
         contract = replace(contract, adapters=adapter_table(model, info.recipe.dtype).slots)

@@ -3,27 +3,34 @@ replacement."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from etblocks.adapters.load import attach_adapter
 from etblocks.attention.masks import additive_mask, allowed_keys, block_sliding_window
 from etblocks.errors import ConfigError, UnsupportedModelError
 from etblocks.kv_cache.base import find_caches, reset_caches
 from etblocks.kv_cache.io import IOKVCache
-from etblocks.swap.hf import model as hf
 from etblocks.swap.hf.convert import build_attention
 from etblocks.swap.hf.families import register_families
 from etblocks.swap.hf.fallback import infer_layout
-from etblocks.swap.hf.moe import MOE_FAMILIES
+from etblocks.swap.hf.model import TransformersKind
+from etblocks.swap.kinds import ModelKind
 from etblocks.swap.recipes import Recipe, resolve_recipe
 from etblocks.swap.registry import ATTENTION, MODULES, SwapContext
+from etblocks.swap.torchtune.model import TorchtuneKind
 
 DEFAULT_MAX_SEQ_LEN = 2048
 PROBE_LEN = 16
 
+# The adapter a torchtune LoRA model carries in its own modules is loaded back under this name.
+EMBEDDED_ADAPTER = "default"
+
 register_families()
+KINDS: tuple[ModelKind, ...] = (TransformersKind(), TorchtuneKind())
 
 
 @dataclass(frozen=True)
@@ -33,6 +40,7 @@ class SwapInfo:
     recipe: Recipe
     max_seq_len: int
     converted: tuple[str, ...]
+    kind: ModelKind
 
 
 def swap(
@@ -43,8 +51,9 @@ def swap(
     verify: bool = True,
     **recipe_overrides,
 ) -> nn.Module:
-    """Replace every attention module of a transformers causal LM with an etblocks block, in place, and every
-    module with a registered replacement (MoE blocks, DeepSeek-V2's complex rotary table).
+    """Replace every attention module of a transformers causal LM or a torchtune `TransformerDecoder` with an
+    etblocks block, in place, and every module with a registered replacement (MoE blocks, DeepSeek-V2's complex
+    rotary table).
 
     The backend's recipe (see `etblocks.swap.recipes`) picks attention, SDPA, cache, shapes and the MoE
     strategy; keyword arguments override single choices (`sdpa="dynamic"`, `shapes="static", chunk=32`,
@@ -52,36 +61,55 @@ def swap(
     and `decode` with caller-owned caches. Every module is converted and, unless `verify=False`, compared with
     its original on a probe input before anything is changed: on any failure the model is left untouched and
     `UnsupportedModelError` (or `ConfigError` for options) says which module and why.
+
+    A torchtune LoRA model's `LoRALinear` layers become their base `nn.Linear`, and their LoRA weights an
+    etblocks adapter named `"default"` (active; see `etblocks.set_adapter`), which `export` keeps in its own file.
     """
     recipe = resolve_recipe(backend, **recipe_overrides)
     if getattr(model, "etblocks_swap", None) is not None:
         raise ConfigError(f"this model is already swapped (backend={model.etblocks_swap.recipe.backend!r}); swap a fresh copy")
-    if not hf.is_hf_causal_lm(model):
+    kind = model_kind(model)
+    if kind is None:
         raise UnsupportedModelError(
-            f"swap() takes a transformers causal LM (PreTrainedModel); got {type(model).__name__}. "
+            f"swap() takes a {' or a '.join(k.name for k in KINDS)}; got {type(model).__name__}. "
             "Models built from etblocks blocks need no swap: pass them to etblocks.export directly."
         )
+    kind.prepare()
     max_seq_len = _check_max_seq_len(model, max_seq_len)
     if recipe.static and recipe.chunk > max_seq_len:
         raise ConfigError(f"chunk={recipe.chunk} is larger than the context max_seq_len={max_seq_len}; give chunk <= {max_seq_len}")
     ctx = SwapContext(recipe=recipe, max_seq_len=max_seq_len)
 
-    targets = hf.attention_modules(model)
+    targets = kind.attention_modules(model)
     if not targets:
         raise UnsupportedModelError(
-            f"{type(model).__name__} has no `self_attn` modules to swap; supported attention classes: {ATTENTION.supported()}"
+            f"{type(model).__name__} has no attention modules to swap; supported attention classes: {ATTENTION.supported()}"
         )
+    adapter = kind.adapter_layers(model)
     replacements = [(name, _convert(name, module, ctx)) for name, module in targets]
-    others = [(name, module, converter) for name, module in model.named_modules() if (converter := MODULES.lookup(module))]
+    others = [
+        (name, module, converter)
+        for name, module in model.named_modules()
+        if (converter := MODULES.lookup(module)) and not _inside(name, targets)
+    ]
     replacements += [(name, _call_converter(converter, name, module, ctx)) for name, module, converter in others]
-    _check_experts(model, [name for name, _ in replacements])
+    kind.check(model, [name for name, _ in replacements])
     if verify:
         checked = targets + [(name, module) for name, module, _ in others if MODULES.same_output(module)]
         by_name = dict(replacements)
-        _verify(model, [(name, original, by_name[name]) for name, original in checked], max_seq_len)
+        with kind.base_only(model):
+            _verify(model, kind, [(name, original, by_name[name]) for name, original in checked], max_seq_len)
     _commit(model, replacements, recipe)
-    model.etblocks_swap = SwapInfo(recipe, max_seq_len, tuple(name for name, _ in targets))
+    kind.finish(model)
+    if adapter:
+        attach_adapter(model, adapter, EMBEDDED_ADAPTER, source=f"the LoRA layers of this {type(model).__name__}")
+    model.etblocks_swap = SwapInfo(recipe, max_seq_len, tuple(name for name, _ in targets), kind)
     return model
+
+
+def model_kind(model: nn.Module) -> ModelKind | None:
+    """The kind of upstream model `model` is, or None (a model built from etblocks blocks, or one unknown)."""
+    return next((kind for kind in KINDS if kind.matches(model)), None)
 
 
 def set_max_seq_len(model: nn.Module, max_seq_len: int) -> None:
@@ -102,20 +130,21 @@ def set_max_seq_len(model: nn.Module, max_seq_len: int) -> None:
                 f"max_seq_len={max_seq_len} is shorter than this static swap's chunk={info.recipe.chunk}; "
                 f"accepted: {info.recipe.chunk}..{info.max_seq_len}"
             )
-        model.etblocks_swap = SwapInfo(info.recipe, max_seq_len, info.converted)
+        model.etblocks_swap = dataclasses.replace(info, max_seq_len=max_seq_len)
     for cache in find_caches(model):
         cache.resize(max_seq_len)
 
 
 def _check_max_seq_len(model: nn.Module, max_seq_len: int | None) -> int:
-    limit = hf.max_positions(model) if hf.is_hf_causal_lm(model) else None
+    kind = model_kind(model)
+    limit = kind.max_positions(model) if kind is not None else None
     if max_seq_len is None:
         return min(DEFAULT_MAX_SEQ_LEN, limit or DEFAULT_MAX_SEQ_LEN)
     if not isinstance(max_seq_len, int) or max_seq_len < 2:
         raise ConfigError(f"max_seq_len={max_seq_len!r} is not accepted; give an integer >= 2")
     if limit is not None and max_seq_len > limit:
         raise ConfigError(
-            f"max_seq_len={max_seq_len} is beyond the model's positions (config.max_position_embeddings={limit}); "
+            f"max_seq_len={max_seq_len} is beyond the model's positions ({kind.positions_name}={limit}); "
             f"accepted: 2..{limit}"
         )
     return max_seq_len
@@ -142,40 +171,26 @@ def _call_converter(converter, name: str, module: nn.Module, ctx: SwapContext) -
         raise UnsupportedModelError(f"converting {name} ({type(module).__name__}) failed: {exc}") from exc
 
 
-def _check_experts(model: nn.Module, replaced: list[str]) -> None:
-    """MoE experts left upstream must export through transformers' own kernel, or the export fails much later."""
-    left = hf.unexportable_experts(model, replaced)
-    if left:
-        name, module, implementation = left[0]
-        raise UnsupportedModelError(
-            f"{name} ({type(module).__name__}) is a transformers MoE experts module with no etblocks converter, and "
-            f"experts_implementation={implementation!r} does not export. MoE blocks etblocks converts: "
-            f"{sorted(block for block, _ in MOE_FAMILIES.values())}; register a converter for its block with "
-            f"etblocks.swap.registry.MODULES.register, or call model.set_experts_implementation("
-            f"{hf.EXPORTABLE_EXPERTS[0]!r}) to export transformers' own kernel (a per-token gather of the top-k "
-            "experts, with the upstream router)."
-        )
+def _inside(name: str, targets: list[tuple[str, nn.Module]]) -> bool:
+    """Whether module `name` lies inside an attention module (its converter owns it)."""
+    return any(name.startswith(outer + ".") for outer, _ in targets)
 
 
-def _verify(model: nn.Module, pairs: list[tuple[str, nn.Module, nn.Module]], max_seq_len: int) -> None:
+def _verify(model: nn.Module, kind: ModelKind, pairs: list[tuple[str, nn.Module, nn.Module]], max_seq_len: int) -> None:
     """Each replacement must reproduce its original's output on the inputs the original saw in a probe run."""
     windows = [w for _, _, new in pairs if (w := block_sliding_window(new))]
     probe_len = min(max([PROBE_LEN] + [w + 4 for w in windows]), max_seq_len)
     generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, model.config.vocab_size, (1, probe_len), generator=generator)
-    was_training = model.training
-    model.eval()
-    try:
-        calls = hf.capture_calls(model, [original for _, original, _ in pairs], tokens)
-    finally:
-        model.train(was_training)
+    tokens = torch.randint(0, kind.vocab_size(model), (1, probe_len), generator=generator)
+    positions = torch.arange(probe_len)
+    calls = _capture_calls(model, kind, [original for _, original, _ in pairs], tokens, positions)
     with torch.no_grad():
         for name, original, new in pairs:
             if id(original) not in calls:
                 raise UnsupportedModelError(f"{name} ({type(original).__name__}) was not called in a forward pass")
             args, kwargs, expected = calls[id(original)]
             try:
-                _bind_empty_io_cache(new, kwargs.get("position_ids"))
+                _bind_empty_io_cache(new, positions)
                 actual = new(*args, **kwargs)
                 actual = actual[0] if isinstance(actual, tuple) else actual
             except Exception as exc:  # any failure of the replacement on real inputs means "cannot swap"
@@ -196,12 +211,34 @@ def _verify(model: nn.Module, pairs: list[tuple[str, nn.Module, nn.Module]], max
                 )
 
 
-def _bind_empty_io_cache(block: nn.Module, position_ids: torch.Tensor | None) -> None:
+@torch.no_grad()
+def _capture_calls(
+    model: nn.Module, kind: ModelKind, modules: list[nn.Module], tokens: torch.Tensor, positions: torch.Tensor
+) -> dict[int, tuple]:
+    """Run the untouched model once over `tokens` at `positions` and record `(args, kwargs, output)` of each
+    listed module, keyed by id."""
+    calls: dict[int, tuple] = {}
+
+    def record(module, args, kwargs, output):
+        calls[id(module)] = (args, kwargs, output[0] if isinstance(output, tuple) else output)
+
+    hooks = [m.register_forward_hook(record, with_kwargs=True) for m in modules]
+    was_training = model.training
+    model.eval()
+    try:
+        kind.logits(model, tokens, positions.unsqueeze(0), last_only=True)
+    finally:
+        model.train(was_training)
+        for hook in hooks:
+            hook.remove()
+    return calls
+
+
+def _bind_empty_io_cache(block: nn.Module, positions: torch.Tensor) -> None:
     """A block with a caller-owned cache is probed as a static program's first chunk: empty caches, causal mask."""
     cache = getattr(block, "kv_cache", None)
-    if not isinstance(cache, IOKVCache) or position_ids is None:
+    if not isinstance(cache, IOKVCache):
         return
-    positions = position_ids[0]
     dtype = next(block.parameters()).dtype
     k_empty = torch.zeros(1, 0, cache.n_kv_heads, cache.head_dim, dtype=dtype)
     v_empty = torch.zeros(1, 0, cache.n_kv_heads, cache.v_head_dim, dtype=dtype)
@@ -213,7 +250,6 @@ def _commit(model: nn.Module, replacements, recipe: Recipe) -> None:
     for name, new in replacements:
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, new)
-    hf.skip_hf_masks(model)
     model.eval()
     if recipe.dtype != next(model.parameters()).dtype:
         model.to(recipe.dtype)

@@ -6,7 +6,7 @@ import torch
 
 from etblocks.attention.mha import Attention
 from etblocks.attention.sha import SingleHeadAttention
-from etblocks.kv_cache.io import IOKVCache
+from etblocks.swap.blocks import run_block
 
 
 class HFCall:
@@ -42,12 +42,7 @@ class HFCall:
         rope = position_embeddings if self.use_rope else None
         if rope is not None and self.half_rope_tables:
             rope = tuple(torch.cat((t, t), dim=-1) for t in rope)
-        if isinstance(self.kv_cache, IOKVCache):
-            k_cache, v_cache, mask = self.kv_cache.bound()
-            y, k_new, v_new = super().forward(hidden_states, position_ids[0], rope, kv=(k_cache, v_cache), mask=mask)
-            self.kv_cache.emit(k_new, v_new)
-            return y, None
-        return super().forward(hidden_states, position_ids[0], position_embeddings=rope), None
+        return run_block(super().forward, self.kv_cache, hidden_states, position_ids[0], rope), None
 
 
 class HFAttention(HFCall, Attention):

@@ -6,10 +6,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from etblocks.attention.sdpa import SDPA, CustomSDPA, DynamicSDPA, StaticSDPA
-from etblocks.kv_cache.io import IOKVCache
-from etblocks.kv_cache.ring import RingKVCache
-from etblocks.kv_cache.static import StaticKVCache
+from etblocks.swap.blocks import sdpa_and_cache
 from etblocks.swap.hf.adapter import HFAttention, HFSingleHeadAttention
 from etblocks.swap.registry import SwapContext
 
@@ -62,12 +59,10 @@ def build_attention(
         n_heads = q_proj.out_features // head_dim
         n_kv_heads = k_proj.out_features // head_dim
     window = sliding_window_of(module, layout) if sliding_window is ... else sliding_window
-    if window is not None and window >= ctx.max_seq_len:
-        window = None  # the window never binds within this context: a full cache is both exact and smaller
     softcap = getattr(module, layout.softcap_attr) if layout.softcap_attr else None
     sinks = getattr(module, layout.sinks_attr) if layout.sinks_attr else None
     weight = (qkv_proj if qkv_proj is not None else q_proj).weight
-    sdpa, cache = _sdpa_and_cache(
+    sdpa, cache = sdpa_and_cache(
         module.scaling, softcap, window, sinks is not None, n_kv_heads, head_dim, weight.dtype, ctx
     )
     block = HFAttention(
@@ -92,20 +87,3 @@ def build_attention(
     block.use_rope = bool(getattr(module, "use_rope", True))
     block.half_rope_tables = layout.half_rope_tables
     return block.to(weight.device)
-
-
-def _sdpa_and_cache(
-    scale, softcap, window, has_sinks: bool, n_kv_heads, head_dim, dtype, ctx: SwapContext
-) -> tuple[SDPA, nn.Module]:
-    recipe = ctx.recipe
-    if recipe.cache == "io":  # the program's caller owns the caches: a window only shortens the mask it gives
-        return StaticSDPA(scale, softcap, window), IOKVCache(n_kv_heads, head_dim)
-    if window is not None:
-        cache = RingKVCache(ctx.max_batch_size, window, n_kv_heads, head_dim, dtype)
-        return DynamicSDPA(scale, softcap, window), cache
-    cache = StaticKVCache(
-        ctx.max_batch_size, ctx.max_seq_len, n_kv_heads, head_dim, dtype, use_custom_op=recipe.cache_update == "custom"
-    )
-    if recipe.sdpa == "custom" and softcap is None and not has_sinks:
-        return CustomSDPA(scale), cache
-    return DynamicSDPA(scale, softcap), cache

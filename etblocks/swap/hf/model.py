@@ -1,9 +1,13 @@
-"""Model-level facts and hooks for transformers causal LMs: finding attention, probing, masks, metadata."""
+"""transformers causal LMs as a model kind: finding attention, calling the model, masks, MoE checks, metadata."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from etblocks.errors import UnsupportedModelError
+from etblocks.swap.hf.moe import MOE_FAMILIES
+from etblocks.swap.kinds import ModelKind
 
 ATTN_IMPLEMENTATION = "etblocks"
 
@@ -48,10 +52,6 @@ def unexportable_experts(model: nn.Module, replaced: list[str]) -> list[tuple[st
     return found
 
 
-def max_positions(model: nn.Module) -> int | None:
-    return getattr(model.config, "max_position_embeddings", None)
-
-
 def _never_called(module, *args, **kwargs):
     raise RuntimeError(
         f"{type(module).__name__} was not swapped by etblocks but dispatched to the '{ATTN_IMPLEMENTATION}' "
@@ -71,24 +71,55 @@ def skip_hf_masks(model: nn.Module) -> None:
     model.config._attn_implementation = ATTN_IMPLEMENTATION
 
 
-@torch.no_grad()
-def capture_calls(model: nn.Module, modules: list[nn.Module], tokens: torch.Tensor) -> dict[int, tuple]:
-    """Run the untouched model once and record `(args, kwargs, output)` of each listed module, keyed by id."""
-    calls: dict[int, tuple] = {}
-
-    def record(module, args, kwargs, output):
-        calls[id(module)] = (args, kwargs, output[0] if isinstance(output, tuple) else output)
-
-    hooks = [m.register_forward_hook(record, with_kwargs=True) for m in modules]
-    try:
-        model(input_ids=tokens, use_cache=False)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return calls
-
-
 def token_ids(value) -> list[int]:
     if value is None:
         return []
     return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+
+
+class TransformersKind(ModelKind):
+    """A transformers `PreTrainedModel` causal LM, called with `position_ids` so the blocks see absolute positions."""
+
+    name = "transformers causal LM (PreTrainedModel)"
+    positions_name = "config.max_position_embeddings"
+
+    def matches(self, model: nn.Module) -> bool:
+        return is_hf_causal_lm(model)
+
+    def attention_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        return attention_modules(model)
+
+    def max_positions(self, model: nn.Module) -> int | None:
+        return getattr(model.config, "max_position_embeddings", None)
+
+    def vocab_size(self, model: nn.Module) -> int:
+        return model.config.vocab_size
+
+    def logits(self, model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor, last_only: bool) -> torch.Tensor:
+        return model(input_ids=tokens, position_ids=positions, use_cache=False, logits_to_keep=int(last_only)).logits
+
+    def token_metadata(self, model: nn.Module) -> dict:
+        config = model.config
+        generation = getattr(model, "generation_config", None)
+        eos = token_ids(getattr(generation, "eos_token_id", None)) or token_ids(getattr(config, "eos_token_id", None))
+        bos = getattr(generation, "bos_token_id", None)
+        if bos is None:
+            bos = getattr(config, "bos_token_id", None)
+        return {"vocab_size": config.vocab_size, "bos_id": bos, "eos_ids": eos, "n_layers": config.num_hidden_layers}
+
+    def check(self, model: nn.Module, replaced: list[str]) -> None:
+        """MoE experts left upstream must export through transformers' own kernel, or the export fails much later."""
+        left = unexportable_experts(model, replaced)
+        if left:
+            name, module, implementation = left[0]
+            raise UnsupportedModelError(
+                f"{name} ({type(module).__name__}) is a transformers MoE experts module with no etblocks converter, and "
+                f"experts_implementation={implementation!r} does not export. MoE blocks etblocks converts: "
+                f"{sorted(block for block, _ in MOE_FAMILIES.values())}; register a converter for its block with "
+                f"etblocks.swap.registry.MODULES.register, or call model.set_experts_implementation("
+                f"{EXPORTABLE_EXPERTS[0]!r}) to export transformers' own kernel (a per-token gather of the top-k "
+                "experts, with the upstream router)."
+            )
+
+    def finish(self, model: nn.Module) -> None:
+        skip_hf_masks(model)

@@ -1,0 +1,1 @@
+"""Converters and glue for torchtune models (`TransformerDecoder` from torchtune's builders)."""
