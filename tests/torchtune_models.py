@@ -41,27 +41,26 @@ LORA_ATTN = ["q_proj", "k_proj", "v_proj", "output_proj"]
 
 
 def tiny_tune_model(family: str, seed: int = 6, **overrides) -> torch.nn.Module:
-    """The family's decoder with random weights under `seed`, in eval mode. Parameters are drawn from N(0, 0.3),
-    embeddings from N(0, 0.05): with torchtune's own init, or large tied embeddings, a tiny model's greedy output
-    repeats one token and a test could not tell a wrong model from a right one; seed 6 gives every family at
-    least 9 distinct tokens in 32."""
+    """The family's decoder with random weights (`randomized`) under `seed`, in eval mode; seed 6 gives every
+    family at least 9 distinct tokens in 32 greedy ones."""
     torch.manual_seed(seed)
-    model = FAMILIES[family](**overrides)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.normal_(0, 0.05 if name.startswith("tok_embeddings") else 0.3)
-    return model.eval()
+    return randomized(FAMILIES[family](**overrides))
 
 
-def tiny_lora_model(seed: int = 0, **overrides) -> torch.nn.Module:
-    """lora_llama3_2 on every attention projection and the MLP, with random LoRA weights (torchtune starts
-    lora_b at zero, which would make the adapter a no-op)."""
+def tiny_lora_model(seed: int = 6, **overrides) -> torch.nn.Module:
+    """lora_llama3_2 (rank 4, alpha 8) on every attention projection and the MLP, with random base and LoRA
+    weights (torchtune starts lora_b at zero, which would make the adapter a no-op)."""
     torch.manual_seed(seed)
-    model = lora_llama3_2(LORA_ATTN, apply_lora_to_mlp=True, lora_rank=4, lora_alpha=8, **DIMS, intermediate_dim=128, **overrides)
+    return randomized(lora_llama3_2(LORA_ATTN, apply_lora_to_mlp=True, lora_rank=4, lora_alpha=8, **DIMS, intermediate_dim=128, **overrides))
+
+
+def randomized(model: torch.nn.Module) -> torch.nn.Module:
+    """Parameters drawn from N(0, 0.3), embeddings from N(0, 0.05), LoRA weights from N(0, 0.1), in eval mode:
+    with torchtune's own init, or large tied embeddings, a tiny model's greedy output repeats one token and a
+    test could not tell a wrong model from a right one."""
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "lora" in name:
-                param.normal_(0, 0.1)
+            param.normal_(0, 0.05 if name.startswith("tok_embeddings") else 0.1 if "lora" in name else 0.3)
     return model.eval()
 
 
