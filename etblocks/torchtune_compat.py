@@ -28,6 +28,12 @@ def import_torchtune() -> ModuleType:
         raise ConfigError(f"torchtune adapters and models need the package {exc.name!r}, which is not installed; pip install torchtune==0.6.1 torchao") from None
 
 
+def is_torchtune_decoder(model: object) -> bool:
+    """Whether `model` is a torchtune `TransformerDecoder`; never imports torchtune (a caller holding one has)."""
+    module = sys.modules.get("torchtune.modules.transformer")
+    return module is not None and isinstance(model, module.TransformerDecoder)
+
+
 def _alias_nf4() -> None:
     """Point `torchao.dtypes.nf4tensor` at its new home unless this torchao still has it."""
     if OLD_NF4 in sys.modules:

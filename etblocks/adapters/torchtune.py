@@ -7,6 +7,9 @@ What torchtune 0.6.1 writes to `<output_dir>/epoch_<n>/` for a LoRA fine-tune:
   `base_model_name_or_path`). For phi3/phi4 (and llama3.2 vision) only `adapter_model.pt`.
 - `FullModelTorchTuneCheckpointer`, `FullModelMetaCheckpointer`: `adapter_model.pt` only, no config.
 
+Into a torchtune model (swapped or not) the `.pt` keys map as they are: `<module>.lora_a.weight` adapts
+`<module>`. Into a transformers model they are converted as torchtune's HF checkpointer would:
+
 The PEFT copy is made by `convert_weights.tune_to_peft_adapter_weights`, which permutes the q/k `lora_B` rows from
 torchtune's interleaved rope order into HF's rotate-half order for every family, qwen2 included, although
 torchtune's qwen2 builders use HF-style rope (its base-weight converter `qwen2_tune_to_hf` does not permute). So
@@ -16,6 +19,7 @@ reader. The scaling is `alpha / rank` (torchtune has no rsLoRA).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -24,9 +28,10 @@ from torch import nn
 from etblocks.adapters.lora import LoRATensors
 from etblocks.adapters.peft import CONFIG_FILE, layer_tensors, read_config
 from etblocks.errors import AdapterMismatchError
-from etblocks.torchtune_compat import import_torchtune
+from etblocks.torchtune_compat import import_torchtune, is_torchtune_decoder
 
 WEIGHT_FILE = "adapter_model.pt"
+_TUNE_PART = re.compile(r"\.lora_([ab])\.weight$")  # torchtune's lora_a/lora_b are PEFT's lora_A/lora_B
 # HF model_type -> whether torchtune's builders for that family use interleaved rope (RotaryPositionalEmbeddings,
 # Llama3ScaledRoPE), so q/k lora_B rows need permuting into HF order, or HF-style rope (qwen2, qwen2.5).
 INTERLEAVED_ROPE = {"llama": True, "mistral": True, "gemma": True, "gemma2": True, "qwen2": False}
@@ -39,8 +44,9 @@ def is_torchtune_dir(path: Path) -> bool:
 
 
 def read_torchtune_adapter(model: nn.Module, path: str | Path) -> dict[str, LoRATensors]:
-    """`{HF module name: LoRATensors}` of the torchtune LoRA checkpoint directory `path`, converted for `model`
-    (an HF model: its config gives the family and the head sizes the q/k rows are permuted with). Refused with
+    """`{module name: LoRATensors}` of the torchtune LoRA checkpoint directory `path` for `model`: a torchtune
+    decoder takes torchtune's module names; a transformers model gets HF names, converted (its config gives the
+    family and the head sizes the q/k rows are permuted with). Refused with
     `AdapterMismatchError`: no `adapter_config.json`, a family torchtune's keys cannot be mapped onto, DoRA, keys
     that are not torchtune LoRA keys, q/k rows that do not fit the model's heads, a corrupt file."""
     path = Path(path)
@@ -51,7 +57,13 @@ def read_torchtune_adapter(model: nn.Module, path: str | Path) -> dict[str, LoRA
         )
     config = read_config(path)
     weights = _read_weights(path / WEIGHT_FILE)
+    if is_torchtune_decoder(model):
+        return layer_tensors(config, {_TUNE_PART.sub(_peft_part, key): tensor for key, tensor in weights.items()}, path)
     return layer_tensors(config, _to_peft(weights, model, path / WEIGHT_FILE), path)
+
+
+def _peft_part(match: re.Match) -> str:
+    return f".lora_{match[1].upper()}.weight"
 
 
 def _read_weights(file: Path) -> dict[str, torch.Tensor]:

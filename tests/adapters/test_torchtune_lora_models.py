@@ -1,11 +1,12 @@
 """torchtune LoRA models (lora_llama3_2): `swap` keeps the base weights in the blocks and the LoRA weights as the
 etblocks adapter "default", which export ships in its own file. Checked against torchtune's LoRA model with its
 adapters on and off (`disable_adapter`): eager logits, and greedy tokens of the exported programs against
-torchtune's `generate`."""
+torchtune's `generate`. A torchtune LoRA checkpoint loads into a swapped base model by torchtune's module names."""
 
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -18,8 +19,8 @@ from etblocks.adapters.files import adapter_tensors, read_adapter_file
 from etblocks.errors import UnsupportedModelError
 from etblocks.export.programs import static_program
 from etblocks.export.static_driver import StaticDriver
-from torchtune.models.llama3_2._component_builders import lora_llama3_2
-from torchtune.modules.peft import disable_adapter
+from torchtune.models.llama3_2._component_builders import llama3_2, lora_llama3_2
+from torchtune.modules.peft import disable_adapter, get_adapter_state_dict
 from torchtune.modules.peft import LoRALinear as TuneLoRALinear
 
 LOGIT_ATOL = 1e-4
@@ -58,17 +59,38 @@ def test_qnn_recipe_splits_the_adapter_per_head():
     heads = [m for n, m in swapped.named_modules() if isinstance(m, LoRALinear) and n.startswith("layers.0.attn.q_heads")]
     assert len(heads) == 4 and {m.target for m in heads} == {"layers.0.attn.q_proj"}
     assert swapped.layers[0].attn.o_proj.target == "layers.0.attn.output_proj"
-    program = static_program(swapped)
-    driver = StaticDriver(program.contract, lambda method, inputs: program.module(*inputs))
-    for tensors, reference in ((adapter_tensors(swapped, "default"), tune_logits), (None, _base_logits)):
-        driver.adapter_inputs = program.contract.adapter_table.inputs(tensors)
+    for adapter, reference in (("default", tune_logits), (None, _base_logits)):
         for length in (6, 13):
             prompt = prompt_ids(length)
-            with torch.no_grad():
-                driver.reset()
-                actual = driver.forward(prompt[0].tolist())
-            error = (actual - reference(original, prompt)[0, -1]).abs().max().item()
-            assert error <= LOGIT_ATOL, f"{reference.__name__}, prompt of {length}: max abs logit error {error:.3g}"
+            error = (_static_last_logits(swapped, prompt, adapter) - reference(original, prompt)[0, -1]).abs().max().item()
+            assert error <= LOGIT_ATOL, f"adapter {adapter}, prompt of {length}: max abs logit error {error:.3g}"
+
+
+def _static_last_logits(swapped, prompt: torch.Tensor, adapter: str | None) -> torch.Tensor:
+    """The static program run eagerly as the Runner drives it, with `adapter`'s slots (None: the base)."""
+    program = static_program(swapped)
+    driver = StaticDriver(program.contract, lambda method, inputs: program.module(*inputs))
+    driver.adapter_inputs = program.contract.adapter_table.inputs(None if adapter is None else adapter_tensors(swapped, adapter))
+    with torch.no_grad():
+        return driver.forward(prompt[0].tolist())
+
+
+@pytest.mark.parametrize("backend", ["xnnpack", "qnn"])
+def test_torchtune_checkpoint_loads_into_a_swapped_torchtune_model(backend, tmp_path):
+    """What torchtune saves for a LoRA fine-tune (`adapter_model.pt`, torchtune keys; `adapter_config.json` from
+    its HF checkpointer) loads by module name into the swapped base model, beside any other adapter."""
+    lora = tiny_lora_model()
+    torch.save(get_adapter_state_dict(lora.state_dict()), tmp_path / "adapter_model.pt")
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, "peft_type": "LORA"}))
+    base = llama3_2(**DIMS, intermediate_dim=128).eval()
+    base.load_state_dict({k: v for k, v in lora.state_dict().items() if "lora" not in k})
+    swapped = etblocks.swap(base, backend=backend, max_seq_len=64, **({"chunk": 8} if backend == "qnn" else {}))
+    assert set(etblocks.load_adapter(swapped, tmp_path, name="tuned")) == TARGETS
+    prompt = prompt_ids(13)
+    expected = tune_logits(lora, prompt)[0, -1]
+    actual = tune_logits(swapped, prompt)[0, -1] if backend == "xnnpack" else _static_last_logits(swapped, prompt, "tuned")
+    error = (actual - expected).abs().max().item()
+    assert error <= LOGIT_ATOL, f"max abs logit error {error:.3g}"
 
 
 @pytest.mark.slow

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import sys
 from typing import ContextManager
 
 import torch
@@ -16,10 +15,7 @@ from etblocks.swap.kinds import ModelKind
 from etblocks.swap.registry import ATTENTION, MODULES
 from etblocks.swap.torchtune.attention import ROPES, gemma2_attention, multi_head_attention
 from etblocks.swap.torchtune.lora import base_linear, is_lora_linear, lora_tensors
-from etblocks.torchtune_compat import import_torchtune
-
-DECODER_MODULE = "torchtune.modules.transformer"
-
+from etblocks.torchtune_compat import import_torchtune, is_torchtune_decoder
 
 class TorchtuneKind(ModelKind):
     """A torchtune `TransformerDecoder` of self-attention layers. The programs call its parts (embeddings,
@@ -32,8 +28,7 @@ class TorchtuneKind(ModelKind):
         self._registered = False
 
     def matches(self, model: nn.Module) -> bool:
-        module = sys.modules.get(DECODER_MODULE)
-        return module is not None and isinstance(model, module.TransformerDecoder)
+        return is_torchtune_decoder(model)
 
     def prepare(self) -> None:
         if self._registered:
