@@ -153,3 +153,18 @@ def test_lora_example_matches_peft_generate(tmp_path):
                 expected = reference.generate(prompt, do_sample=False, max_new_tokens=12)
         assert tokens[name] == expected[0, prompt.shape[1]:].tolist(), name
     assert len({tuple(t) for t in tokens.values()}) == 3
+
+
+@pytest.mark.slow
+def test_torchtune_example_matches_torchtune_generate(tmp_path):
+    """The example's tokens with the adapter and without equal torchtune's `generate` on its own LoRA model,
+    with its adapters enabled and disabled."""
+    from torchtune_models import tune_greedy
+
+    example = _load_example("torchtune_model")
+    tokens = example.main(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.default.ptd", "model.pte"]
+    prompt = torch.tensor([example.PROMPT])
+    assert tokens["default"] == tune_greedy(example.lora_model(), prompt, 12)
+    assert tokens[None] == tune_greedy(example.lora_model(), prompt, 12, base_only=True)
+    assert tokens["default"] != tokens[None]
