@@ -155,6 +155,8 @@ def test_swapped_model_refuses_what_its_blocks_cannot_do():
         swapped(tokens)
     with pytest.raises(ValueError, match="mask must be None"):
         swapped(tokens, mask=torch.ones(1, 6, 6, dtype=torch.bool), input_pos=torch.arange(6)[None])
+    with pytest.raises(ConfigError, match="owns its KV cache"):
+        swapped.setup_caches(batch_size=1, dtype=torch.float32)
 
 
 def _refused(model, error, match: str, **options) -> None:

@@ -9,6 +9,7 @@ from torch import nn
 from etblocks.attention.mha import Attention
 from etblocks.attention.rope import RotaryEmbedding
 from etblocks.attention.sha import ProjectionPart, SingleHeadAttention
+from etblocks.errors import ConfigError
 from etblocks.swap.blocks import run_block, sdpa_and_cache
 from etblocks.swap.registry import SwapContext
 from etblocks.swap.torchtune.lora import base_linear
@@ -48,6 +49,13 @@ class TuneCall:
             shape = None if input_pos is None else tuple(input_pos.shape)
             raise ValueError(f"etblocks attention needs the absolute positions input_pos [1, T] of one sequence; got {shape}")
         return run_block(super().forward, self.kv_cache, x, input_pos[0])
+
+    def setup_cache(self, *args, **kwargs) -> None:
+        """torchtune's `model.setup_caches()` lands here: the block already owns its cache."""
+        raise ConfigError(
+            "this attention was swapped by etblocks and owns its KV cache (etblocks.swap.set_max_seq_len resizes it); "
+            "generate with the exported program and etblocks.Runner, or with torchtune on an unswapped copy"
+        )
 
 
 class TuneAttention(TuneCall, Attention):
@@ -95,18 +103,8 @@ def build_attention(
     head_dim = module.head_dim
     q_proj, k_proj, v_proj, o_proj = (base_linear(getattr(module, name)) for name in ("q_proj", "k_proj", "v_proj", OUTPUT_PROJ))
     sdpa, cache = sdpa_and_cache(scale, softcap, window, False, module.num_kv_heads, head_dim, q_proj.weight.dtype, ctx)
-    block = TuneAttention(
-        n_heads=module.num_heads,
-        n_kv_heads=module.num_kv_heads,
-        head_dim=head_dim,
-        sdpa=sdpa,
-        kv_cache=cache,
-        q_proj=q_proj,
-        k_proj=k_proj,
-        v_proj=v_proj,
-        o_proj=o_proj,
-        rope=rotary(module.pos_embeddings, head_dim, ropes),
-    )
+    rope = rotary(module.pos_embeddings, head_dim, ropes)
+    block = TuneAttention(module.num_heads, module.num_kv_heads, head_dim, sdpa, cache, q_proj, k_proj, v_proj, o_proj, rope=rope)
     parts = {OUTPUT_PROJ: [ProjectionPart("o_proj", None)]}
     if ctx.recipe.attention == "sha":
         block = TuneSingleHeadAttention.from_attention(block, conv2d=ctx.recipe.linear == "conv2d")
