@@ -4,7 +4,7 @@ from etblocks.attention.conv import Conv2dLinear
 from etblocks.attention.masks import additive_mask, allowed_keys
 from etblocks.attention.mha import Attention
 from etblocks.attention.mla import MLAttention, cos_sin_from_complex, deinterleave_matrix
-from etblocks.attention.rope import RotaryEmbedding, apply_rotary, default_inv_freq, llama3_inv_freq
+from etblocks.attention.rope import RotaryEmbedding, apply_rotary, default_inv_freq, llama3_inv_freq, rotation_matrix
 from etblocks.attention.sdpa import SDPA, CustomSDPA, DynamicSDPA, StaticSDPA, attention_math, softmax_with_sinks
 from etblocks.attention.sha import SingleHeadAttention, apply_rotary_3d
 
@@ -20,6 +20,7 @@ __all__ = [
     "softmax_with_sinks",
     "RotaryEmbedding",
     "apply_rotary",
+    "rotation_matrix",
     "apply_rotary_3d",
     "default_inv_freq",
     "llama3_inv_freq",

@@ -199,3 +199,28 @@ def test_apply_rotary_property_matches_neox(seed, half_rotary, extra_dims, posit
     torch.testing.assert_close(ours, ref.transpose(1, 2), rtol=0, atol=ATOL)
     # A rotation keeps the norm of every rotated pair.
     torch.testing.assert_close(ours.norm(dim=-1), x.norm(dim=-1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rope_class", ["RotaryPositionalEmbeddings", "Llama3ScaledRoPE", "Qwen2RotaryPositionalEmbeddings"])
+def test_rope_from_torchtune_theta_matches_torchtune(rope_class):
+    """torchtune's rotary modules applied by the blocks' two paths (MHA's rotation matrix, SHA's per-head
+    rotation): interleaved pairs for torchtune's own rope and Llama 3's scaled one, rotate-half for Qwen2's."""
+    from etblocks.attention import apply_rotary_3d, rotation_matrix
+    from etblocks.torchtune_compat import import_torchtune
+
+    import_torchtune()
+    from torchtune.models.llama3_1 import Llama3ScaledRoPE
+    from torchtune.models.qwen2 import Qwen2RotaryPositionalEmbeddings
+    from torchtune.modules import RotaryPositionalEmbeddings
+
+    classes = {c.__name__: c for c in (RotaryPositionalEmbeddings, Llama3ScaledRoPE, Qwen2RotaryPositionalEmbeddings)}
+    head_dim, interleaved = 32, rope_class != "Qwen2RotaryPositionalEmbeddings"
+    upstream = classes[rope_class](dim=head_dim, max_seq_len=4096)
+    x = torch.randn(1, len(POSITIONS), 3, head_dim, generator=torch.Generator().manual_seed(0))
+    expected = upstream(x, input_pos=POSITIONS[None, :])
+    rope = RotaryEmbedding(upstream.theta, interleaved=interleaved)
+    cos, sin = rope(POSITIONS)
+    torch.testing.assert_close(apply_rotary(x, cos, sin, rotation_matrix(head_dim, interleaved)), expected, atol=ATOL, rtol=0)
+    heads = [apply_rotary_3d(x[:, :, h], cos, sin, interleaved=interleaved) for h in range(3)]
+    torch.testing.assert_close(torch.stack(heads, dim=2), expected, atol=ATOL, rtol=0)
+    assert (apply_rotary(x, cos, sin, rotation_matrix(head_dim, not interleaved)) - expected).abs().max() > 0.1

@@ -17,6 +17,7 @@ from etblocks.swap.torchtune.attention import ROPES, gemma2_attention, multi_hea
 from etblocks.swap.torchtune.lora import base_linear, is_lora_linear, lora_tensors
 from etblocks.torchtune_compat import import_torchtune, is_torchtune_decoder
 
+
 class TorchtuneKind(ModelKind):
     """A torchtune `TransformerDecoder` of self-attention layers. The programs call its parts (embeddings,
     layers with `input_pos`, norm, output) so that the vocabulary projection runs on the last token only."""
