@@ -11,6 +11,45 @@ def _set_val(node: torch.fx.Node, fn, *args) -> None:
         node.meta["val"] = fn(fake, *[a for a in args[1:]])
 
 
+def rms_norm_as_primitives(exported: torch.export.ExportedProgram) -> int:
+    """Rewrite `aten.rms_norm(x, [D], weight, eps)` (`F.rms_norm`: torchtune's and `torch.nn`'s RMSNorm) as
+    `x * rsqrt(mean(x^2, -1) + eps) * weight`, the form transformers' norms export as.
+
+    Left whole, to_edge decomposes it with a scalar add (`add.Scalar`) that neither XNNPACK nor Vulkan takes, so
+    every norm splits the graph; written out here, `mean_over_last_dim_as_pooling` then makes the mean poolable
+    too. Returns the number rewritten.
+    """
+    graph = exported.graph_module.graph
+    rewritten = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target != torch.ops.aten.rms_norm.default:
+            continue
+        x, normalized_shape = node.args[0], node.args[1]
+        weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+        eps = node.args[3] if len(node.args) > 3 else node.kwargs.get("eps")
+        if len(normalized_shape) != 1 or eps is None:
+            continue  # a norm over several dims, or the dtype's own eps: leave it to the default decomposition
+        aten = torch.ops.aten
+        with graph.inserting_before(node):
+            steps = [(aten.pow.Tensor_Scalar, (x, 2)), (aten.mean.dim, (None, [-1], True)), (aten.add.Tensor, (None, eps)),
+                     (aten.rsqrt.default, (None,)), (aten.mul.Tensor, (x, None))]
+            if weight is not None:
+                steps.append((aten.mul.Tensor, (None, weight)))
+            previous = None
+            for target, args in steps:
+                args = tuple(previous if a is None else a for a in args)
+                previous = graph.call_function(target, args)
+                fakes = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
+                with x.meta["val"].fake_mode:
+                    previous.meta["val"] = target(*fakes)
+                previous.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        node.replace_all_uses_with(previous)
+        graph.erase_node(node)
+        rewritten += 1
+    exported.graph_module.recompile()
+    return rewritten
+
+
 def mean_over_last_dim_as_pooling(exported: torch.export.ExportedProgram) -> int:
     """Rewrite `mean(x [B, ..., D], dim=-1, keepdim=True)` (every RMSNorm, and per-head q/k norms on
     `[B, T, H, D]`) as a mean over the last two dims of `x` viewed as `[B, N, D, 1]`.
@@ -48,4 +87,5 @@ def mean_over_last_dim_as_pooling(exported: torch.export.ExportedProgram) -> int
     return rewritten
 
 
-BACKEND_PASSES = {"xnnpack": [mean_over_last_dim_as_pooling]}
+# Core ML, OpenVINO and QNN take rms_norm as it decomposes (QNN has its own RmsNorm op): no rewrite for them.
+BACKEND_PASSES = {"xnnpack": [rms_norm_as_primitives, mean_over_last_dim_as_pooling], "vulkan": [rms_norm_as_primitives]}

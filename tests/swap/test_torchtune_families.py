@@ -13,7 +13,9 @@ from torchtune_models import FAMILIES, WINDOW, original_and_copy, tune_greedy, t
 
 import etblocks
 from etblocks.errors import ConfigError, UnsupportedModelError
+from etblocks.export.driver import check_qnn
 from etblocks.export.programs import static_program
+from etblocks.export.qnn import format_readiness
 from etblocks.export.static_driver import StaticDriver
 from etblocks.kv_cache import IOKVCache, RingKVCache, StaticKVCache
 from etblocks.swap.registry import ATTENTION
@@ -85,6 +87,8 @@ def test_qnn_recipe_eager_matches_torchtune(family):
 def _exported_tokens(swapped, tmp_path, name: str, prompt: torch.Tensor) -> list[int]:
     result = etblocks.export(swapped, backend="xnnpack", out=tmp_path / f"{name}.pte", quantize=None)
     assert result.delegation.ops_per_delegate.get("XnnpackBackend", 0) > 0
+    # torchtune's RMSNorm (F.rms_norm) is delegated whole once rewritten (etblocks.export.passes)
+    assert not {"aten.rms_norm.default", "aten.add.Scalar", "aten.mean.dim"} & set(result.delegation.cpu_ops)
     return etblocks.Runner(result.path).generate(prompt[0].tolist(), max_new_tokens=NEW_TOKENS)
 
 
@@ -119,6 +123,40 @@ def test_gemma2_binding_window_greedy_matches_torchtune(backend, tmp_path):
     expected = tune_greedy(original, prompt, NEW_TOKENS, cached=False)
     assert len(set(expected)) > 4
     assert _exported_tokens(swapped, tmp_path, f"gemma2-{backend}", prompt) == expected
+
+
+@pytest.mark.slow
+def test_openvino_program_greedy_matches_torchtune_generate(tmp_path):
+    """The openvino recipe's static program (MHA, caches as inputs) lowered to OpenVINO and run here."""
+    original, swapped = _swapped("llama3_2", "openvino", chunk=8)
+    result = etblocks.export(swapped, backend="openvino", out=tmp_path / "openvino.pte")
+    assert result.delegation.ops_per_delegate.get("OpenvinoBackend", 0) > 0
+    prompt = prompt_ids(12)
+    tokens = etblocks.Runner(result.path).generate(prompt[0].tolist(), max_new_tokens=NEW_TOKENS)
+    assert tokens == tune_greedy(original, prompt, NEW_TOKENS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama3_2", "gemma2"])
+@pytest.mark.parametrize("backend", ["coreml", "vulkan"])
+def test_npu_recipes_delegate_all_compute(backend, family, tmp_path):
+    """Core ML and Vulkan programs cannot run here; one partition per method with nothing on CPU is the evidence
+    (interleaved rope; gemma2's softcaps and window mask)."""
+    _, swapped = _swapped(family, backend, chunk=8, model={"sliding_window_size": WINDOW} if family == "gemma2" else {})
+    result = etblocks.export(swapped, backend=backend, out=tmp_path / f"{backend}-{family}.pte")
+    for method, summary in result.delegations.items():
+        assert len(summary.partitions) == 1 and summary.n_cpu_ops == 0, f"{method}: {summary}"
+
+
+@pytest.mark.slow
+def test_quantized_qnn_program_is_fully_covered():
+    """What QNN would lower (16a8w, the recipe's default), checked op by op without the SDK."""
+    _, swapped = _swapped("llama3_2", "qnn", chunk=8)
+    report = check_qnn(swapped)
+    assert set(report) == {"prefill", "decode"}
+    for method, readiness in report.items():
+        assert readiness.ready, f"{method}:\n{format_readiness(report)}"
+        assert readiness.ops["aten.convolution.default"] > 0
 
 
 def test_one_registry_for_every_kind():
