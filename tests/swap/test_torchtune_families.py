@@ -14,7 +14,7 @@ from torchtune_models import FAMILIES, WINDOW, original_and_copy, tune_greedy, t
 import etblocks
 from etblocks.errors import ConfigError, UnsupportedModelError
 from etblocks.export.driver import check_qnn
-from etblocks.export.programs import static_program
+from etblocks.export.programs import dynamic_program, static_program
 from etblocks.export.qnn import format_readiness
 from etblocks.export.static_driver import StaticDriver
 from etblocks.kv_cache import IOKVCache, RingKVCache, StaticKVCache
@@ -42,6 +42,18 @@ def test_swapped_logits_match_torchtune(family):
     tokens = prompt_ids(20)
     error = (tune_logits(swapped, tokens) - tune_logits(original, tokens)).abs().max().item()
     assert error <= LOGIT_ATOL, f"{family}: max abs logit error {error:.3g}"
+
+
+def test_exported_graph_has_no_control_flow():
+    """ExecuTorch's own torchtune replacement exports its cache through `torch.cond`, inside which XNNPACK lowers
+    nothing; the swapped blocks export as one straight graph."""
+    _, swapped = _swapped("llama3_2")
+    program = dynamic_program(swapped)
+    with torch.no_grad():
+        exported = torch.export.export(program.module, program.example_inputs(), dynamic_shapes=program.dynamic_shapes(), strict=False)
+    targets = {node.target for node in exported.graph.nodes if node.op == "call_function"}
+    assert not [t for t in targets if isinstance(t, torch._ops.HigherOrderOperator)], sorted(map(str, targets))
+    assert torch.ops.llama.custom_sdpa.default in targets
 
 
 def test_gemma2_sliding_window_logits_match_torchtune():
