@@ -99,6 +99,7 @@ class Row:
     prefill_runs: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     note: str = ""
+    extras: dict[str, str] = field(default_factory=dict)  # more table cells, by column header (`format_table`)
 
     @property
     def decode_tps(self) -> float | None:
@@ -112,23 +113,32 @@ class Row:
 
 
 class Driver(Protocol):
-    """Runs a loaded model one greedy step at a time; both calls return the argmax next token."""
+    """Runs a loaded model one greedy step at a time; both calls return the argmax next token. A driver whose
+    model cannot start a new sequence by itself (e.g. its KV cache appends at a write position it keeps) may also
+    define `reset()`, which `reset_driver` calls, untimed, before every prefill."""
 
     def prefill(self, prompt: list[int]) -> int: ...
 
     def decode(self, token: int, pos: int) -> int: ...
 
 
+def reset_driver(driver: Driver) -> None:
+    """Call the driver's optional `reset()` (see `Driver`)."""
+    reset = getattr(driver, "reset", None)
+    if reset is not None:
+        reset()
+
+
 # --------------------------------------------------------------------------------------------------
 # Shared helpers
 
 
-def build_hf_model(bench: Bench) -> torch.nn.Module:
-    """A transformers LlamaForCausalLM with the benchmark shape and seeded random weights (fp32, eval)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama_config(bench: Bench, rope_parameters: dict[str, Any] | None = None, max_positions: int = 8192) -> Any:
+    """A transformers LlamaConfig with the benchmark shape; rope: default with the shape's theta unless given."""
+    from transformers import LlamaConfig
 
     s = bench.shape
-    config = LlamaConfig(
+    return LlamaConfig(
         num_hidden_layers=s.layers,
         hidden_size=s.hidden,
         num_attention_heads=s.heads,
@@ -138,11 +148,18 @@ def build_hf_model(bench: Bench) -> torch.nn.Module:
         vocab_size=s.vocab,
         tie_word_embeddings=True,
         rms_norm_eps=s.norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": s.rope_theta},
-        max_position_embeddings=8192,
+        rope_parameters=rope_parameters or {"rope_type": "default", "rope_theta": s.rope_theta},
+        max_position_embeddings=max_positions,
         initializer_range=bench.init_range,
         pad_token_id=0,
     )
+
+
+def build_hf_model(bench: Bench) -> torch.nn.Module:
+    """A transformers LlamaForCausalLM with the benchmark shape and seeded random weights (fp32, eval)."""
+    from transformers import LlamaForCausalLM
+
+    config = llama_config(bench)
     torch.manual_seed(bench.seed)
     return LlamaForCausalLM(config).to(torch.float32).eval()
 
@@ -185,17 +202,39 @@ def lower_to_xnnpack(exported: Any, path: Path, inspect: Callable[[Any], Any] | 
     return inspected
 
 
+def lower_llm_manager(manager: Any, partitioners: list[Any], path: Path, passes: list[Any] | None = None,
+                      inspect: Callable[[Any], Any] | None = None) -> Any:
+    """Take an ExecuTorch `LLMEdgeManager` through the steps export_llama_lib runs for XNNPACK: strict export,
+    canonical optimizations, `to_edge_transform_and_lower(partitioners)`, `to_executorch(passes)`; write the .pte.
+    `inspect` as in `lower_to_xnnpack`, called with the lowered EdgeProgramManager; its result is returned."""
+    manager.export()
+    manager.run_canonical_optimizations()
+    manager.to_edge_transform_and_lower(partitioners)
+    inspected = inspect(manager.edge_manager) if inspect is not None else None
+    manager.to_executorch(passes=passes)
+    with open(path, "wb") as f:
+        manager.export_program.write_to_file(f)
+    return inspected
+
+
 def warm_up(driver: Driver, bench: Bench) -> None:
     """One untimed prefill and two decode steps."""
+    reset_driver(driver)
     token = driver.prefill(bench.prompt)
     for i in range(2):
         token = driver.decode(token, len(bench.prompt) + i)
 
 
-def time_round(driver: Driver, bench: Bench) -> tuple[float, float, list[int]]:
+def time_round(driver: Driver, bench: Bench, warm_prefill: bool = False) -> tuple[float, float, list[int]]:
     """One timed prefill of the prompt, then `bench.decode_steps` timed greedy decode steps. Returns (prefill
-    tok/s, decode tok/s, tokens): the prefill's next token and one per decode step."""
+    tok/s, decode tok/s, tokens): the prefill's next token and one per decode step. `warm_prefill` runs one untimed
+    prefill first: on this host the first ExecuTorch prefill after other work (the bandwidth sample, another
+    program, even a 1 s sleep) measured 1.2-1.5x slower at 30 layers, which otherwise lands on the round's first row."""
     n = len(bench.prompt)
+    if warm_prefill:
+        reset_driver(driver)
+        driver.prefill(bench.prompt)
+    reset_driver(driver)
     start = time.perf_counter()
     tokens = [driver.prefill(bench.prompt)]
     prefill_tps = n / (time.perf_counter() - start)
@@ -286,14 +325,16 @@ class EagerDriver:
 # Paths: one function per row, `(bench, row) -> Driver`: export, fill in export_s and pte_mb, load
 
 
-def path_etblocks(bench: Bench, row: Row) -> Driver:
-    """(a) etblocks: swap the transformers model's blocks, export to XNNPACK, `forward(tokens, input_pos)`."""
+def export_with_etblocks(bench: Bench, row: Row, build_model: Callable[[Bench], torch.nn.Module],
+                         filename: str) -> tuple[Driver, Any]:
+    """Build a model, swap its blocks for XNNPACK, export `forward(tokens, input_pos)` to `bench.out_dir /
+    filename` (timed: swap + export + lowering) and load it; returns the driver and etblocks' ExportResult."""
     try:
         from etblocks import export, swap
     except ImportError as e:
         raise Unavailable(str(e)) from e
-    model = build_hf_model(bench)
-    path = bench.out_dir / "a_etblocks.pte"
+    model = build_model(bench)
+    path = bench.out_dir / filename
     start = time.perf_counter()
     with torch.no_grad():
         model = swap(model, backend="xnnpack", max_seq_len=bench.shape.max_seq_len) or model
@@ -302,7 +343,13 @@ def path_etblocks(bench: Bench, row: Row) -> Driver:
     del model
     gc.collect()
     row.pte_mb = pte_megabytes(result.path)
-    return TokensPosDriver(Path(result.path))
+    return TokensPosDriver(Path(result.path)), result
+
+
+def path_etblocks(bench: Bench, row: Row) -> Driver:
+    """(a) etblocks: swap the transformers model's blocks, export to XNNPACK, `forward(tokens, input_pos)`."""
+    driver, _ = export_with_etblocks(bench, row, build_hf_model, "a_etblocks.pte")
+    return driver
 
 
 def path_hf_static(bench: Bench, row: Row) -> Driver:
@@ -417,12 +464,7 @@ def path_llama_example(bench: Bench, row: Row) -> Driver:
     )
     # Same order as export_llama_lib._get_source_transforms: SDPA first, then the KV cache.
     manager.source_transform([replace_sdpa_with_custom_op, replace_kv_cache_with_custom_kv_cache])
-    manager.export()
-    manager.run_canonical_optimizations()
-    manager.to_edge_transform_and_lower([XnnpackPartitioner()])
-    manager.to_executorch()
-    with open(path, "wb") as f:
-        manager.export_program.write_to_file(f)
+    lower_llm_manager(manager, [XnnpackPartitioner()], path)
     row.export_s = time.perf_counter() - start
     del model, manager
     gc.collect()
@@ -543,11 +585,14 @@ def _matching_prefix(tokens: Sequence[int], reference: Sequence[int]) -> int:
     return n
 
 
-def format_table(rows: list[Row], roofline_tps: float, reference: list[int], ref_key: str = "a") -> str:
-    """The results as one aligned text table."""
+def format_table(rows: list[Row], roofline_tps: float, reference: list[int], ref_key: str = "a",
+                 reference_label: str = "eager", extra_headers: Sequence[str] = ()) -> str:
+    """The results as one aligned text table; `extra_headers` adds columns (before the tokens) filled from each
+    row's `extras`, and `reference_label` names what the tokens are compared with."""
     ref = next((r for r in rows if r.key == ref_key and r.status == "ok"), None)
     headers = ["row", "decode tok/s", "prefill tok/s", "export+lower s", ".pte MB", f"decode/({ref_key})",
-               f"prefill/({ref_key})", f"export/({ref_key})", f"pte/({ref_key})", "decode %roof", "tokens=eager"]
+               f"prefill/({ref_key})", f"export/({ref_key})", f"pte/({ref_key})", "decode %roof", *extra_headers,
+               f"tokens={reference_label}"]
     lines = []
     for r in rows:
         label = f"({r.key}) {r.name}"
@@ -560,9 +605,10 @@ def format_table(rows: list[Row], roofline_tps: float, reference: list[int], ref
             _ratio(r.decode_tps, ref and ref.decode_tps), _ratio(r.prefill_tps, ref and ref.prefill_tps),
             _ratio(r.export_s, ref and ref.export_s), _ratio(r.pte_mb, ref and ref.pte_mb),
             _fmt(100 * r.decode_tps / roofline_tps if r.decode_tps else None, ".0f") + "%",
+            *(r.extras.get(header, "-") for header in extra_headers),
             f"{_matching_prefix(r.tokens, reference)}/{len(reference)}",
         ])
-    widths = [max(len(headers[i]), *(len(l[i]) for l in lines if len(l) > 2)) for i in range(len(headers))]
+    widths = [max([len(headers[i]), *(len(l[i]) for l in lines if len(l) > 2)]) for i in range(len(headers))]
     out = ["  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(headers, widths)))]
     out.append("  ".join("-" * w for w in widths))
     for l in lines:
@@ -605,10 +651,12 @@ def format_targets(rows: list[Row], rooflines: list[float]) -> str:
 # Main
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", default=",".join(p.key for p in PATHS if p.default),
-                        help="comma-separated row keys: " + ", ".join(f"{p.key}={p.name}" for p in PATHS))
+def parse_args(argv: Sequence[str] | None = None, paths: Sequence[PathSpec] = PATHS,
+               description: str | None = __doc__) -> argparse.Namespace:
+    """The benchmark's options; `paths` and `description` let another script over other rows share them."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default=",".join(p.key for p in paths if p.default),
+                        help="comma-separated row keys: " + ", ".join(f"{p.key}={p.name}" for p in paths))
     parser.add_argument("--layers", type=int, default=30, help="decoder layers (2 for a quick smoke run)")
     parser.add_argument("--decode-steps", type=int, default=32, help="timed greedy decode steps")
     parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (prefill)")
@@ -644,16 +692,16 @@ def prepare_path(spec: PathSpec, bench: Bench) -> tuple[Row, Driver | None]:
     return row, driver
 
 
-def time_rows(prepared: list[tuple[Row, Driver | None]], bench: Bench) -> list[float]:
+def time_rows(prepared: list[tuple[Row, Driver | None]], bench: Bench, warm_prefill: bool = False) -> list[float]:
     """Time the loaded rows in interleaved rounds, appending to each row's runs; returns the read bandwidth
-    samples (bytes/s), one per round."""
+    samples (bytes/s), one per round. `warm_prefill` as in `time_round`."""
     bandwidths = []
     for round_index in range(bench.rounds):
         for row, driver in prepared:
             if driver is None or row.status != "ok":
                 continue
             try:
-                prefill_tps, decode_tps, tokens = time_round(driver, bench)
+                prefill_tps, decode_tps, tokens = time_round(driver, bench, warm_prefill)
             except Exception as e:
                 traceback.print_exc()
                 row.status = f"failed while timing: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
@@ -672,46 +720,72 @@ def time_rows(prepared: list[tuple[Row, Driver | None]], bench: Bench) -> list[f
     return bandwidths
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    keys = [k.strip() for k in args.rows.split(",") if k.strip()]
-    specs = {p.key: p for p in PATHS}
+def select_paths(rows: str, paths: Sequence[PathSpec]) -> list[PathSpec]:
+    """The paths named by `--rows` (comma-separated keys), in that order; exits on an unknown key."""
+    keys = [k.strip() for k in rows.split(",") if k.strip()]
+    specs = {p.key: p for p in paths}
     unknown = [k for k in keys if k not in specs]
     if unknown:
         raise SystemExit(f"unknown rows {unknown}; known: {list(specs)}")
+    return [specs[key] for key in keys]
 
+
+def make_bench(args: argparse.Namespace) -> Bench:
+    """Settings from the parsed options: the shape, the seeded prompt, the output directory (created; a temp
+    dir unless `--out-dir`)."""
     out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="etblocks_decode_bench_"))
     out_dir.mkdir(parents=True, exist_ok=True)
     shape = Shape(layers=args.layers, max_seq_len=args.max_seq_len)
     prompt = torch.randint(1, shape.vocab, (args.prompt_len,), generator=torch.Generator().manual_seed(args.seed))
-    bench = Bench(shape, prompt.tolist(), args.decode_steps, args.rounds, out_dir, args.seed, args.init_range)
+    return Bench(shape, prompt.tolist(), args.decode_steps, args.rounds, out_dir, args.seed, args.init_range)
 
-    reference = eager_reference_tokens(bench)
+
+def run_paths(specs: Sequence[PathSpec], bench: Bench, keep_files: bool,
+              warm_prefill: bool = False) -> tuple[list[Row], list[float]]:
+    """Export and load every path, then time them in interleaved rounds (`warm_prefill` as in `time_round`);
+    returns the rows and the read bandwidth samples. The output directory is deleted at the end unless
+    `keep_files`."""
     try:
-        prepared = [prepare_path(specs[key], bench) for key in keys]
-        bandwidths = time_rows(prepared, bench)
+        prepared = [prepare_path(spec, bench) for spec in specs]
+        bandwidths = time_rows(prepared, bench, warm_prefill)
     finally:
-        if args.out_dir is None:
-            shutil.rmtree(out_dir, ignore_errors=True)
-    rows = [row for row, _ in prepared]
-    bandwidth = statistics.median(bandwidths)
-    weight_bytes = shape.weight_bytes_per_token()
-    roofline_tps = bandwidth / weight_bytes
+        if not keep_files:
+            shutil.rmtree(bench.out_dir, ignore_errors=True)
+    return [row for row, _ in prepared], bandwidths
 
+
+def describe_run(title: str, bench: Bench, bandwidths: list[float]) -> str:
+    """The lines above the table: shape, weights, settings, threads and the roofline."""
     from executorch.extension.pybindings.portable_lib import _threadpool_get_thread_count
 
-    s = shape
+    s = bench.shape
     gb = [b / 1e9 for b in bandwidths]
+    weight_bytes = s.weight_bytes_per_token()
+    roofline_tps = statistics.median(bandwidths) / weight_bytes
     threads = torch.get_num_threads()
-    print(f"\nLLM decode paths, SmolLM2-135M shape: {s.layers} layers, hidden {s.hidden}, {s.heads}/{s.kv_heads} "
-          f"heads (head_dim {s.head_dim}), intermediate {s.intermediate}, vocab {s.vocab}, tied embedding, fp32, "
-          f"random weights (seed {args.seed}, init std {args.init_range})")
-    print(f"context {s.max_seq_len}, prompt {len(bench.prompt)} tokens (prefill), {bench.decode_steps} greedy decode "
-          f"steps; figures are medians of {bench.rounds} interleaved rounds [min-max]; torch {torch.__version__}, "
-          f"{threads} torch threads, {_threadpool_get_thread_count()} ExecuTorch threads")
-    print(f"roofline: read bandwidth {statistics.median(gb):.1f} GB/s [{min(gb):.1f}-{max(gb):.1f}] (torch.sum over "
-          f"1 GB of random fp32, best of 1 and {threads} threads, sampled every round) / {weight_bytes / 1e6:.1f} MB "
-          f"fp32 weights per token (linears + lm_head) = {roofline_tps:.1f} tok/s\n")
+    return "\n".join([
+        f"\n{title}, SmolLM2-135M shape: {s.layers} layers, hidden {s.hidden}, {s.heads}/{s.kv_heads} "
+        f"heads (head_dim {s.head_dim}), intermediate {s.intermediate}, vocab {s.vocab}, tied embedding, fp32, "
+        f"random weights (seed {bench.seed}, init std {bench.init_range})",
+        f"context {s.max_seq_len}, prompt {len(bench.prompt)} tokens (prefill), {bench.decode_steps} greedy decode "
+        f"steps; figures are medians of {bench.rounds} interleaved rounds [min-max]; torch {torch.__version__}, "
+        f"{threads} torch threads, {_threadpool_get_thread_count()} ExecuTorch threads",
+        f"roofline: read bandwidth {statistics.median(gb):.1f} GB/s [{min(gb):.1f}-{max(gb):.1f}] (torch.sum over "
+        f"1 GB of random fp32, best of 1 and {threads} threads, sampled every round) / {weight_bytes / 1e6:.1f} MB "
+        f"fp32 weights per token (linears + lm_head) = {roofline_tps:.1f} tok/s\n",
+    ])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    specs = select_paths(args.rows, PATHS)
+    bench = make_bench(args)
+    reference = eager_reference_tokens(bench)
+    rows, bandwidths = run_paths(specs, bench, keep_files=args.out_dir is not None)
+    weight_bytes = bench.shape.weight_bytes_per_token()
+    roofline_tps = statistics.median(bandwidths) / weight_bytes
+
+    print(describe_run("LLM decode paths", bench, bandwidths))
     print(format_table(rows, roofline_tps, reference))
     notes = [f"  ({r.key}) {r.note}" for r in rows if r.note and r.status == "ok"]
     notes.append("  tokens=eager: leading greedy tokens equal to eager transformers generate() (same weights)")
