@@ -6,9 +6,17 @@ import torch
 
 
 def _set_val(node: torch.fx.Node, fn, *args) -> None:
-    fake = args[0].meta["val"]
-    with fake.fake_mode:
-        node.meta["val"] = fn(fake, *[a for a in args[1:]])
+    """`node`'s fake value: `fn` over the fake values of the node arguments (the first one is a node) and the rest."""
+    fakes = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
+    with fakes[0].fake_mode:
+        node.meta["val"] = fn(*fakes)
+
+
+def _replace(graph: torch.fx.Graph, node: torch.fx.Node, new: torch.fx.Node) -> None:
+    """`new` takes `node`'s place (and its metadata but the value)."""
+    new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
 
 
 def rms_norm_as_primitives(exported: torch.export.ExportedProgram) -> int:
@@ -39,12 +47,8 @@ def rms_norm_as_primitives(exported: torch.export.ExportedProgram) -> int:
             for target, args in steps:
                 args = tuple(previous if a is None else a for a in args)
                 previous = graph.call_function(target, args)
-                fakes = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
-                with x.meta["val"].fake_mode:
-                    previous.meta["val"] = target(*fakes)
-                previous.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-        node.replace_all_uses_with(previous)
-        graph.erase_node(node)
+                _set_val(previous, target, *args)
+        _replace(graph, node, previous)
         rewritten += 1
     exported.graph_module.recompile()
     return rewritten
@@ -79,9 +83,7 @@ def mean_over_last_dim_as_pooling(exported: torch.export.ExportedProgram) -> int
             _set_val(pooled, torch.ops.aten.mean.dim, as_image, [2, 3], True)
             restored = graph.call_function(torch.ops.aten.view.default, (pooled, out_sizes))
             _set_val(restored, lambda p: p.view(*shape[:-1], 1), pooled)
-        restored.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-        node.replace_all_uses_with(restored)
-        graph.erase_node(node)
+        _replace(graph, node, restored)
         rewritten += 1
     exported.graph_module.recompile()
     return rewritten
