@@ -11,14 +11,13 @@ import json
 import pytest
 import torch
 from hf_models import assert_untouched, prompt_ids, snapshot_of
+from static_refs import eager_driver
 from torchtune_models import DIMS, LORA_ATTN, tiny_lora_model, tune_greedy, tune_logits
 
 import etblocks
 from etblocks.adapters import LoRALinear, adapter_names, set_adapter
 from etblocks.adapters.files import adapter_tensors, read_adapter_file
 from etblocks.errors import UnsupportedModelError
-from etblocks.export.programs import static_program
-from etblocks.export.static_driver import StaticDriver
 from torchtune.models.llama3_2._component_builders import llama3_2, lora_llama3_2
 from torchtune.modules.peft import disable_adapter, get_adapter_state_dict
 from torchtune.modules.peft import LoRALinear as TuneLoRALinear
@@ -68,9 +67,8 @@ def test_qnn_recipe_splits_the_adapter_per_head():
 
 def _static_last_logits(swapped, prompt: torch.Tensor, adapter: str | None) -> torch.Tensor:
     """The static program run eagerly as the Runner drives it, with `adapter`'s slots (None: the base)."""
-    program = static_program(swapped)
-    driver = StaticDriver(program.contract, lambda method, inputs: program.module(*inputs))
-    driver.adapter_inputs = program.contract.adapter_table.inputs(None if adapter is None else adapter_tensors(swapped, adapter))
+    driver = eager_driver(swapped)
+    driver.adapter_inputs = driver.contract.adapter_table.inputs(None if adapter is None else adapter_tensors(swapped, adapter))
     with torch.no_grad():
         return driver.forward(prompt[0].tolist())
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_models import hf_greedy, original_and_copy, prompt_ids, swapped_family
+from static_refs import eager_driver, greedy
 
 import etblocks
 from etblocks.export.contract import StaticContract
 from etblocks.export.programs import static_program
-from etblocks.export.static_driver import StaticDriver, group_mask
+from etblocks.export.static_driver import group_mask
 from etblocks.kv_cache import IOKVCache
 from etblocks.swap.hf.adapter import HFSingleHeadAttention
 
@@ -31,20 +32,6 @@ def swap_static(name: str, backend: str, **options):
     if backend in ("xnnpack", "portable"):
         options = {"shapes": "static", **options}
     return swapped_family(name, backend, max_seq_len=CONTEXT, chunk=CHUNK, **options)
-
-
-def eager_driver(swapped) -> StaticDriver:
-    """The static program run eagerly: the graph export would capture, driven like the Runner drives it."""
-    program = static_program(swapped)
-    return StaticDriver(program.contract, lambda method, inputs: program.module(*inputs))
-
-
-def greedy(forward, prompt: list[int], new_tokens: int) -> list[int]:
-    logits, tokens = forward(prompt), []
-    while len(tokens) < new_tokens:
-        tokens.append(int(torch.argmax(logits)))
-        logits = forward(tokens[-1:])
-    return tokens
 
 
 @pytest.mark.parametrize("backend", ["openvino", "qnn"])

@@ -9,14 +9,14 @@ import copy
 import pytest
 import torch
 from hf_models import assert_untouched, prompt_ids, snapshot_of
+from static_refs import eager_driver, greedy
 from torchtune_models import FAMILIES, WINDOW, original_and_copy, tune_greedy, tune_logits
 
 import etblocks
 from etblocks.errors import ConfigError, UnsupportedModelError
 from etblocks.export.driver import check_qnn
-from etblocks.export.programs import dynamic_program, static_program
+from etblocks.export.programs import dynamic_program
 from etblocks.export.qnn import format_readiness
-from etblocks.export.static_driver import StaticDriver
 from etblocks.kv_cache import IOKVCache, RingKVCache, StaticKVCache
 from etblocks.swap.registry import ATTENTION
 from etblocks.swap.torchtune.attention import TuneAttention, TuneSingleHeadAttention
@@ -77,8 +77,7 @@ def test_qnn_recipe_eager_matches_torchtune(family):
     original, swapped = _swapped(family, "qnn", chunk=8, model=STATIC_CASES[family])
     assert all(isinstance(layer.attn, TuneSingleHeadAttention) for layer in swapped.layers)
     assert all(isinstance(layer.attn.kv_cache, IOKVCache) for layer in swapped.layers)
-    program = static_program(swapped)
-    driver = StaticDriver(program.contract, lambda method, inputs: program.module(*inputs))
+    driver = eager_driver(swapped)
     for length in (5, 8, 13, 20):
         prompt = prompt_ids(length)
         with torch.no_grad():
@@ -89,10 +88,7 @@ def test_qnn_recipe_eager_matches_torchtune(family):
     prompt = prompt_ids(12)
     with torch.no_grad():
         driver.reset()
-        logits, tokens = driver.forward(prompt[0].tolist()), []
-        while len(tokens) < NEW_TOKENS:
-            tokens.append(int(torch.argmax(logits)))
-            logits = driver.forward(tokens[-1:])
+        tokens = greedy(driver.forward, prompt[0].tolist(), NEW_TOKENS)
     assert tokens == tune_greedy(original, prompt, NEW_TOKENS, cached=not STATIC_CASES[family])
 
 
