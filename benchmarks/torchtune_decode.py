@@ -42,6 +42,7 @@ import gc
 import statistics
 import sys
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -149,15 +150,16 @@ def tune_reference_tokens(bench: Bench) -> list[int]:
 # Drivers for torchtune's calling convention: tokens [1, T], input_pos [1, T], mask bool [1, T, context]
 
 
-class CausalMaskDriver:
+class CausalMaskDriver(ABC):
     """Prefill and decode through `_logits(tokens, input_pos, mask)`, the way torchtune.generation feeds a
     KV-cached decoder: absolute positions and rows of a causal mask over the whole cache."""
 
     def __init__(self, context: int):
         self.causal = torch.tril(torch.ones(context, context, dtype=torch.bool))
 
+    @abstractmethod
     def _logits(self, tokens: torch.Tensor, input_pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """Logits `[1, T, V]` of `tokens [1, T]` at `input_pos [1, T]` under the causal `mask [1, T, context]`."""
 
     def _step(self, tokens: list[int], start: int) -> int:
         end = start + len(tokens)
@@ -207,13 +209,6 @@ class InferenceMHADriver(CausalMaskDriver):
 
 # --------------------------------------------------------------------------------------------------
 # Delegation
-
-
-def summarize_with_branches(graph_module: torch.fx.GraphModule) -> DelegationSummary:
-    """etblocks' delegation summary of a graph and, recursively, of its control-flow subgraphs (torch.cond
-    branches), which `summarize` does not read."""
-    branches = [child for child in graph_module.children() if isinstance(child, torch.fx.GraphModule)]
-    return DelegationSummary.combine([summarize(graph_module), *map(summarize_with_branches, branches)])
 
 
 def delegation_cell(summary: DelegationSummary) -> str:
@@ -306,7 +301,7 @@ def export_inference_mha(bench: Bench, row: Row, partitioner: Any, filename: str
         with torch.no_grad():
             summary = lower_llm_manager(
                 manager, [partitioner], path, passes=[InitializedMutableBufferPass(["kv_cache_pos"])],
-                inspect=lambda edge: summarize_with_branches(edge.exported_program().graph_module),
+                inspect=lambda edge: summarize(edge.exported_program().graph_module),
             )
     except Exception as e:
         inside = linears_in_cond_branches(manager.pre_autograd_graph_module) if manager.pre_autograd_graph_module else 0

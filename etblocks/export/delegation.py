@@ -62,6 +62,7 @@ def _op_name(node: torch.fx.Node) -> str | None:
 
 
 def summarize(graph_module: torch.fx.GraphModule) -> DelegationSummary:
+    """The summary of a lowered method's graph, control-flow branches (`torch.cond` subgraphs) included."""
     summary = DelegationSummary()
     for node in graph_module.graph.nodes:
         name = _op_name(node)
@@ -73,4 +74,5 @@ def summarize(graph_module: torch.fx.GraphModule) -> DelegationSummary:
             summary.partitions.append((lowered.backend_id, len(inner)))
         else:
             summary.cpu_ops[name] += 1
-    return summary
+    branches = [child for child in graph_module.children() if isinstance(child, torch.fx.GraphModule)]
+    return DelegationSummary.combine([summary, *map(summarize, branches)])
