@@ -5,7 +5,15 @@ from etblocks.attention.masks import additive_mask, allowed_keys
 from etblocks.attention.mha import Attention
 from etblocks.attention.mla import MLAttention, cos_sin_from_complex, deinterleave_matrix
 from etblocks.attention.rope import RotaryEmbedding, apply_rotary, default_inv_freq, llama3_inv_freq, rotation_matrix
-from etblocks.attention.sdpa import SDPA, CustomSDPA, DynamicSDPA, StaticSDPA, attention_math, softmax_with_sinks
+from etblocks.attention.sdpa import (
+    SDPA,
+    CustomSDPA,
+    DynamicSDPA,
+    QuantizedCustomSDPA,
+    StaticSDPA,
+    attention_math,
+    softmax_with_sinks,
+)
 from etblocks.attention.sha import SingleHeadAttention, apply_rotary_3d
 
 __all__ = [
@@ -14,6 +22,7 @@ __all__ = [
     "Conv2dLinear",
     "SDPA",
     "CustomSDPA",
+    "QuantizedCustomSDPA",
     "DynamicSDPA",
     "StaticSDPA",
     "attention_math",

@@ -36,7 +36,7 @@ class Attention(nn.Module):
 
     `forward(x [B, T, D], input_pos [T]) -> [B, T, D]`, where `input_pos` holds the absolute positions of the
     T tokens (consecutive). With an `IOKVCache` it also takes `kv=(k_cache, v_cache)` and `mask` and returns
-    `(y, k_new, v_new)`.
+    `(y, k_new, v_new)`; with a `QuantizedIOKVCache`, `kv` and the new rows are the six tensors of its layout.
 
     Projections are `q_proj`, `k_proj`, `v_proj` (or one fused `qkv_proj`) and `o_proj`. Optional `q_norm` /
     `k_norm` apply per head (`"head"`), over the whole projection (`"full"`) or on a `[B, H, T, D]` view
@@ -129,10 +129,10 @@ class Attention(nn.Module):
 
         if isinstance(self.kv_cache, IOKVCache):
             if kv is None or mask is None:
-                raise ValueError("an Attention with an IOKVCache needs kv=(k_cache, v_cache) and an additive mask")
-            k_all, v_all = self.kv_cache.update(k, v, *kv)
+                raise ValueError("an Attention with an IOKVCache needs kv=(k_cache, v_cache) (the tensors of its layout) and an additive mask")
+            k_all, v_all, new_rows = self.kv_cache.update(k, v, *kv)
             y = self.attend(q, k_all, v_all, input_pos, None, mask)
-            return self.o_proj(y.reshape(bsz, -1, self.n_heads * self.head_dim)), k, v
+            return self.o_proj(y.reshape(bsz, -1, self.n_heads * self.head_dim)), *new_rows
         if self.kv_cache is None:
             k_all, v_all, k_pos = k, v, input_pos
         else:

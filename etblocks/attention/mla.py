@@ -224,9 +224,9 @@ class MLAttention(nn.Module):
         if isinstance(self.kv_cache, IOKVCache):
             if kv is None or mask is None:
                 raise ValueError("an MLAttention with an IOKVCache needs kv=(latent_cache, rope_cache) and an additive mask")
-            latent_all, rope_all = self.kv_cache.update(latent, k_rope, *kv)
+            latent_all, rope_all, new_rows = self.kv_cache.update(latent, k_rope, *kv)
             y = attend(q_nope, q_rope, latent_all, rope_all, mask)
-            return self.o_proj(y), latent, k_rope
+            return self.o_proj(y), *new_rows
         if self.kv_cache is None:
             latent_all, rope_all, k_pos = latent, k_rope, input_pos
         else:

@@ -1,6 +1,7 @@
 """Scaled dot-product attention in three forms, all on `[B, T, H, D]` queries and `[B, S, Hkv, D]` keys/values.
 
-- `CustomSDPA`: ExecuTorch's `llama::custom_sdpa` over a positional cache (fast XNNPACK/CPU decode).
+- `CustomSDPA`: ExecuTorch's `llama::custom_sdpa` over a positional cache (fast XNNPACK/CPU decode);
+  `QuantizedCustomSDPA` is `llama::custom_quantized_sdpa` over an int8 one.
 - `DynamicSDPA`: plain torch; builds its mask from positions, so it also serves ring caches and softcaps.
 - `StaticSDPA`: plain torch over a fixed-size cache with an additive mask the caller gives (static programs).
 
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from etblocks.attention.masks import allowed_keys
+from etblocks.kv_cache.quantized import quantize_rows
 
 
 def load_llama_custom_ops() -> None:
@@ -138,3 +140,22 @@ class CustomSDPA(SDPA):
         torch._check(start >= 0)
         torch._check(start + q.shape[1] <= k.shape[1])  # the kernel aborts the process past the cache
         return torch.ops.llama.custom_sdpa(q, k, v, start, None, 0, True, self.scale)
+
+
+class QuantizedCustomSDPA(CustomSDPA):
+    """`llama::custom_quantized_sdpa` over an int8 positional cache (`QuantizedKVCache(dequantize=False)`): `k` and
+    `v` are its `QuantizedRows`, read without a float copy of the cache. The op takes int8 queries too, so `q` is
+    quantized per token and head the same way. Returns `q`'s dtype."""
+
+    def forward(self, q, k, v, q_pos, k_pos, mask=None, sinks=None):
+        if sinks is not None:
+            raise ValueError("QuantizedCustomSDPA cannot apply attention sinks; use DynamicSDPA or StaticSDPA")
+        start = q_pos[0].item()
+        torch._check(start >= 0)
+        torch._check(start + q.shape[1] <= k.values.shape[1])  # the kernel aborts the process past the cache
+        q_rows = quantize_rows(q)
+        out = torch.ops.llama.custom_quantized_sdpa(
+            q_rows.values, k.values, v.values, start, None, 0, True, self.scale,
+            q_rows.zero_points, q_rows.scales, k.zero_points, k.scales, v.zero_points, v.scales,
+        )
+        return out.to(q.dtype)

@@ -4,7 +4,9 @@ A static program has fixed shapes. With caller-owned ("io") caches its methods t
 `(tokens int64 [1, T], positions int64 [1, T], *masks, *caches)` and return `(logits [1, T, V], *new_rows)`:
 - one additive mask `[T, L + T]` per cache group (full attention, or a sliding window W with its own length L),
 - per layer `k_cache`, `v_cache` `[1, L, Hkv, Dk]`, `[1, L, Hkv, Dv]` of its group's length, and the T new rows
-  of each (`[1, T, Hkv, Dk]`, `[1, T, Hkv, Dv]`).
+  of each (`[1, T, Hkv, Dk]`, `[1, T, Hkv, Dv]`). An int8 cache (`kv_quantize="int8"`) has six tensors per layer:
+  int8 `k_cache`, float32 `k_scales` and int8 `k_zero_points` `[1, L, Hkv, 1]`, the same for v
+  (`etblocks.kv_cache.io.io_cache_layout`).
 With in-place caches (hybrid partition) they take `(tokens int64 [1, T], input_pos int64 [1])` and return the
 last token's logits `[1, V]`, like the dynamic contract at fixed T.
 A program exported with LoRA adapters takes, after those, the slots of the active adapter: `slot_a [in, r]` and
@@ -21,6 +23,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from etblocks.export.adapters import AdapterSlot, AdapterTable
+from etblocks.kv_cache.io import CacheTensor, io_cache_layout
 
 CONTRACT_METHOD = "etblocks_contract"
 CONTRACT_VERSION = "etblocks.static/1"
@@ -38,13 +41,15 @@ class CacheGroup:
 
 @dataclass(frozen=True)
 class LayerCache:
-    """One layer's two caches: `k` rows `[n_kv_heads, k_dim]` and `v` rows `[n_kv_heads, v_dim]` per position.
-    MLA layers keep one "head": the compressed latent as k and the shared roped key as v."""
+    """One layer's two caches: `k` rows `[n_kv_heads, k_dim]` and `v` rows `[n_kv_heads, v_dim]` per position,
+    in the program's dtype or, with `kv_quantize="int8"`, in int8 with per-row scales and zero points. MLA layers
+    keep one "head": the compressed latent as k and the shared roped key as v."""
 
     group: str
     n_kv_heads: int
     k_dim: int
     v_dim: int
+    kv_quantize: str | None = None
 
 
 @dataclass(frozen=True)
@@ -75,31 +80,37 @@ class StaticContract:
     def group(self, name: str) -> CacheGroup:
         return next(g for g in self.groups if g.name == name)
 
-    def cache_shapes(self) -> list[tuple[int, int, int, int]]:
-        """Shapes of the cache inputs in order: `[1, L, Hkv, Dk]`, `[1, L, Hkv, Dv]` per layer."""
-        shapes = []
-        for spec in self.layers:
+    def cache_tensors(self) -> list[tuple[int, CacheTensor]]:
+        """`(layer, tensor)` for every cache input in order: `[1, L, Hkv, Dk]`, `[1, L, Hkv, Dv]` per layer (or
+        its int8 layout); the new rows come back in the same order, with T rows."""
+        tensors = []
+        for i, spec in enumerate(self.layers):
             length = self.group(spec.group).length
-            shapes += [(1, length, spec.n_kv_heads, spec.k_dim), (1, length, spec.n_kv_heads, spec.v_dim)]
-        return shapes
+            layout = io_cache_layout(spec.n_kv_heads, spec.k_dim, spec.v_dim, length, self.torch_dtype, spec.kv_quantize)
+            tensors += [(i, tensor) for tensor in layout]
+        return tensors
+
+    def cache_shapes(self) -> list[tuple[int, ...]]:
+        return [tensor.shape for _, tensor in self.cache_tensors()]
 
     def inputs(self) -> list[str]:
         slots = [f"slot_{ab}.{i}" for i in range(len(self.adapters)) for ab in ("a", "b")]
         if self.cache == "inplace":
             return ["tokens", "input_pos", *slots]
-        caches = [f"{kv}_cache.{i}" for i in range(len(self.layers)) for kv in ("k", "v")]
+        caches = [f"{tensor.name}.{i}" for i, tensor in self.cache_tensors()]
         return ["tokens", "positions", *(f"mask.{g.name}" for g in self.groups), *caches, *slots]
 
     def outputs(self) -> list[str]:
         if self.cache == "inplace":
             return ["logits_last"]
-        return ["logits", *(f"{kv}_new.{i}" for i in range(len(self.layers)) for kv in ("k", "v"))]
+        return ["logits", *(f"{tensor.name.removesuffix('_cache')}_new.{i}" for i, tensor in self.cache_tensors())]
 
     def __str__(self) -> str:
         groups = ", ".join(
             f"{g.name} ({g.length} rows) x{sum(layer.group == g.name for layer in self.layers)} layers" for g in self.groups
         )
-        caches = f"{self.cache} caches ({self.dtype})" + (f": {groups}" if groups else "")
+        kv_dtype = next((layer.kv_quantize for layer in self.layers if layer.kv_quantize), self.dtype)
+        caches = f"{self.cache} caches ({kv_dtype})" + (f": {groups}" if groups else "")
         slots = f", LoRA slots in {len(self.adapters)} layers" if self.adapters else ""
         return f"prefill T={self.chunk}, decode T=1, context {self.max_context_len}, {caches}{slots}"
 

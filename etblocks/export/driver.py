@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from etblocks.export.qnn import QnnReadiness
 from etblocks.export.quantize import quantize_static
 from etblocks.kv_cache.base import reset_caches
-from etblocks.swap.recipes import QUANTIZE_QNN
+from etblocks.swap.recipes import QUANTIZE_QNN, check_int8_io_cache_lowers
 
 Progress = Callable[[str], None]
 
@@ -183,6 +183,8 @@ def _export_methods(model, backend, max_seq_len, bos_id, eos_ids, vocab_size, qu
             exported = {"forward": forward, SET_ADAPTER_METHOD: set_adapter_program(program.module, table, _torch_export)}
         program.metadata[ADAPTERS_METHOD] = table.as_constant()
         return program, exported, None
+    if info.recipe.kv_quantize is not None and info.recipe.cache == "io":
+        check_int8_io_cache_lowers(backend)
     quantize = _static_quantize(info.recipe, backend, quantize)
     calibration = None if calibration is None else [list(prompt) for prompt in calibration]
     program = static_program(model, max_seq_len, bos_id=bos_id, eos_ids=eos_ids, quantized=quantize is not None)

@@ -102,7 +102,7 @@ class StaticProgram:
             return tokens, torch.zeros(1, dtype=torch.long), *slots
         dtype = contract.torch_dtype
         masks = [torch.zeros(width, group.length + width, dtype=dtype) for group in contract.groups]
-        caches = [torch.zeros(shape, dtype=dtype) for shape in contract.cache_shapes()]
+        caches = [torch.zeros(tensor.shape, dtype=tensor.dtype) for _, tensor in contract.cache_tensors()]
         return (tokens, torch.arange(width).unsqueeze(0), *masks, *caches, *slots)
 
 
@@ -139,7 +139,9 @@ def static_program(
             if window not in groups:
                 groups[window] = CacheGroup("full" if window is None else f"window{window}", window or max_seq_len, window)
             cache = block.kv_cache
-            layers.append(LayerCache(groups[window].name, cache.n_kv_heads, cache.head_dim, cache.v_head_dim))
+            layers.append(
+                LayerCache(groups[window].name, cache.n_kv_heads, cache.head_dim, cache.v_head_dim, cache.kv_quantize)
+            )
         order = list(groups)
         mask_value = QUANTIZED_MASK_VALUE if quantized else float("-inf")
         contract = StaticContract(

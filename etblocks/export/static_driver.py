@@ -60,22 +60,22 @@ class StaticDriver:
         self.adapter_inputs = contract.adapter_table.inputs(None)  # the base model until an adapter is set
 
     def _empty_caches(self) -> list[torch.Tensor]:
-        dtype = self.contract.torch_dtype
-        return [torch.zeros(shape, dtype=dtype) for shape in self.contract.cache_shapes()]
+        return [torch.zeros(tensor.shape, dtype=tensor.dtype) for _, tensor in self.contract.cache_tensors()]
 
     def reset(self) -> None:
         """Start a new sequence. Cache rows need no clearing: masks never let a query read an unwritten row."""
         self.pos = 0
 
     def restore(self, caches: Sequence[torch.Tensor], pos: int) -> None:
-        """Continue from saved state (e.g. a cached system prompt): caches `[k0, v0, k1, v1, ...]` as `caches`
-        returns them, and the number of positions they hold."""
+        """Continue from saved state (e.g. a cached system prompt): caches `[k0, v0, k1, v1, ...]` (or each layer's
+        int8 layout) as `caches` returns them, and the number of positions they hold."""
         if self.contract.cache != "io":
             raise ConfigError("this program keeps its caches inside (cache='inplace'); there are none to restore")
         if len(caches) != len(self.caches):
-            raise ConfigError(f"caches: got {len(caches)} tensors, the program has {len(self.caches)} (k and v per layer)")
-        for i, (given, expected) in enumerate(zip(caches, self.caches)):
-            name = f"{'kv'[i % 2]}_cache.{i // 2}"
+            per_layer = len(self.caches) // len(self.contract.layers)
+            raise ConfigError(f"caches: got {len(caches)} tensors, the program has {len(self.caches)} ({per_layer} per layer)")
+        names = [f"{tensor.name}.{layer}" for layer, tensor in self.contract.cache_tensors()]
+        for i, (given, expected, name) in enumerate(zip(caches, self.caches, names)):
             if tuple(given.shape) != tuple(expected.shape) or given.dtype != expected.dtype:
                 raise ConfigError(
                     f"caches[{i}] ({name}) is {tuple(given.shape)} {given.dtype}; the program takes "
@@ -114,8 +114,8 @@ class StaticDriver:
         dtype, fill = self.contract.torch_dtype, self.contract.mask_value
         masks = [group_mask(group, self.pos, width, dtype, fill) for group in self.contract.groups]
         outputs = self.execute(method, [padded, positions, *masks, *self.caches, *self.adapter_inputs])
-        for i, (cache, rows) in enumerate(zip(self.caches, outputs[1:])):
-            self._write(self.contract.group(self.contract.layers[i // 2].group), cache, rows[:, :n])
+        for (layer, _), cache, rows in zip(self.contract.cache_tensors(), self.caches, outputs[1:]):
+            self._write(self.contract.group(self.contract.layers[layer].group), cache, rows[:, :n])
         self.pos += n
         return outputs[0][0, n - 1].clone()
 

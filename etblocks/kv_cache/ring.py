@@ -51,13 +51,19 @@ class RingKVCache(KVCache):
         self.reset()
 
     def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        k_all = torch.cat((self.k_cache, k), dim=1)
+        v_all = torch.cat((self.v_cache, v), dim=1)
+        k_pos = self.write_ring(input_pos, [(self.k_cache, k_all), (self.v_cache, v_all)])
+        return k_all, v_all, k_pos
+
+    def write_ring(self, input_pos: torch.Tensor, stores: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Keep the last `window` positions: each `(buffer, rows)` pair's buffer takes its slots from `rows`, the
+        buffer's old contents followed by the chunk's new rows along dim 1. Returns the position of every row
+        of `rows` (-1: not to be read)."""
         window = self.window
         start, last = input_pos[:1], input_pos[-1:]
         cached = self.slot_positions
         cached_pos = torch.where(cached < start, cached, -1)  # -1: empty, or stale from an older sequence
-        k_all = torch.cat((self.k_cache, k), dim=1)
-        v_all = torch.cat((self.v_cache, v), dim=1)
-        k_pos = torch.cat((cached_pos, input_pos))
         # After the write, slot s holds the latest position p <= last with p % window == s. It is a new row
         # (at index window + p - start of the concatenation) if p >= start, else the slot keeps its old row.
         # A gather rather than slicing the last `window` rows: no branch on T, so T stays dynamic in export.
@@ -66,7 +72,7 @@ class RingKVCache(KVCache):
         latest = last - torch.remainder(last + window - slots, window)
         is_new = latest >= start
         source = torch.where(is_new, window + latest - start, slots)
-        self.k_cache.copy_(k_all.index_select(1, source))
-        self.v_cache.copy_(v_all.index_select(1, source))
+        for buffer, rows in stores:
+            buffer.copy_(rows.index_select(1, source))
         self.slot_positions_plus_one.copy_(torch.where(is_new, latest + 1, self.slot_positions_plus_one))
-        return k_all, v_all, k_pos
+        return torch.cat((cached_pos, input_pos))

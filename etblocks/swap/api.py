@@ -97,6 +97,10 @@ def swap(
     if verify:
         checked = targets + [(name, module) for name, module, _ in others if MODULES.same_output(module)]
         by_name = dict(replacements)
+        if recipe.kv_quantize is not None:
+            # The probe checks the conversion, exactly; what int8 caches cost is measured apart (tests, benchmarks).
+            float_ctx = dataclasses.replace(ctx, recipe=dataclasses.replace(recipe, kv_quantize=None))
+            by_name.update((name, _convert(name, module, float_ctx)) for name, module in targets)
         with kind.base_only(model):
             _verify(model, kind, [(name, original, by_name[name]) for name, original in checked], max_seq_len)
     _commit(model, replacements, recipe)
@@ -239,11 +243,9 @@ def _bind_empty_io_cache(block: nn.Module, positions: torch.Tensor) -> None:
     cache = getattr(block, "kv_cache", None)
     if not isinstance(cache, IOKVCache):
         return
-    dtype = next(block.parameters()).dtype
-    k_empty = torch.zeros(1, 0, cache.n_kv_heads, cache.head_dim, dtype=dtype)
-    v_empty = torch.zeros(1, 0, cache.n_kv_heads, cache.v_head_dim, dtype=dtype)
+    empty = [torch.zeros(t.shape, dtype=t.dtype) for t in cache.layout(0, next(block.parameters()).dtype)]
     mask = additive_mask(allowed_keys(positions, positions, block_sliding_window(block)))
-    cache.bind(k_empty, v_empty, mask)
+    cache.bind(empty, mask)
 
 
 def _commit(model: nn.Module, replacements, recipe: Recipe) -> None:

@@ -8,8 +8,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from etblocks.attention.sdpa import SDPA, CustomSDPA, DynamicSDPA, StaticSDPA
+from etblocks.attention.sdpa import SDPA, CustomSDPA, DynamicSDPA, QuantizedCustomSDPA, StaticSDPA
 from etblocks.kv_cache.io import IOKVCache
+from etblocks.kv_cache.quantized import QuantizedIOKVCache, QuantizedKVCache, QuantizedRingKVCache
 from etblocks.kv_cache.ring import RingKVCache
 from etblocks.kv_cache.static import StaticKVCache
 from etblocks.swap.registry import SwapContext
@@ -26,21 +27,26 @@ def sdpa_and_cache(
     ctx: SwapContext,
 ) -> tuple[SDPA, nn.Module]:
     """The recipe's SDPA and cache for one layer. A window no shorter than the context becomes a full cache: it
-    never binds, and a full cache is both exact and smaller."""
+    never binds, and a full cache is both exact and smaller. `recipe.kv_quantize` picks the int8 form of each
+    cache."""
     recipe = ctx.recipe
+    int8 = recipe.kv_quantize is not None
     if window is not None and window >= ctx.max_seq_len:
         window = None
     if recipe.cache == "io":  # the program's caller owns the caches: a window only shortens the mask it gives
-        return StaticSDPA(scale, softcap, window), IOKVCache(n_kv_heads, head_dim)
+        io_cache = QuantizedIOKVCache(n_kv_heads, head_dim, recipe.dtype) if int8 else IOKVCache(n_kv_heads, head_dim)
+        return StaticSDPA(scale, softcap, window), io_cache
     if window is not None:
-        cache = RingKVCache(ctx.max_batch_size, window, n_kv_heads, head_dim, dtype)
-        return DynamicSDPA(scale, softcap, window), cache
-    cache = StaticKVCache(
-        ctx.max_batch_size, ctx.max_seq_len, n_kv_heads, head_dim, dtype, use_custom_op=recipe.cache_update == "custom"
-    )
-    if recipe.sdpa == "custom" and softcap is None and not has_sinks:
-        return CustomSDPA(scale), cache
-    return DynamicSDPA(scale, softcap), cache
+        ring = QuantizedRingKVCache if int8 else RingKVCache
+        return DynamicSDPA(scale, softcap, window), ring(ctx.max_batch_size, window, n_kv_heads, head_dim, dtype)
+    custom_sdpa = recipe.sdpa == "custom" and softcap is None and not has_sinks
+    geometry = (ctx.max_batch_size, ctx.max_seq_len, n_kv_heads, head_dim, dtype)
+    use_custom_op = recipe.cache_update == "custom"
+    if int8:
+        cache = QuantizedKVCache(*geometry, use_custom_op=use_custom_op, dequantize=not custom_sdpa)
+        return (QuantizedCustomSDPA(scale) if custom_sdpa else DynamicSDPA(scale, softcap)), cache
+    cache = StaticKVCache(*geometry, use_custom_op=use_custom_op)
+    return (CustomSDPA(scale) if custom_sdpa else DynamicSDPA(scale, softcap)), cache
 
 
 def run_block(
@@ -49,8 +55,8 @@ def run_block(
     """`forward(x [B, T, D], positions [T], position_embeddings)` of a block: with a caller-owned cache, the
     caches and mask bound by the static program go in and the new K/V rows go back to it."""
     if isinstance(kv_cache, IOKVCache):
-        k_cache, v_cache, mask = kv_cache.bound()
-        y, k_new, v_new = forward(x, positions, position_embeddings, kv=(k_cache, v_cache), mask=mask)
-        kv_cache.emit(k_new, v_new)
+        caches, mask = kv_cache.bound()
+        y, *new_rows = forward(x, positions, position_embeddings, kv=caches, mask=mask)
+        kv_cache.emit(*new_rows)
         return y
     return forward(x, positions, position_embeddings=position_embeddings)

@@ -24,7 +24,8 @@ class DecoderProgram(nn.Module):
 class StaticCacheProgram(nn.Module):
     """The static contract with caller-owned caches (see `etblocks.export.contract`):
     `forward(tokens [1, T], positions [1, T], *masks [T, L + T], *caches [1, L, Hkv, D])
-    -> (logits [1, T, V], k_new_0, v_new_0, ...)`.
+    -> (logits [1, T, V], k_new_0, v_new_0, ...)`, each layer's caches and new rows being the tensors of its
+    cache's `layout` (two, or six for an int8 cache).
 
     `mask_of_layer[i]` is the index (among the masks) of the mask layer i reads. Each layer's IO cache gets its
     inputs bound before the upstream forward and hands its new rows back after it.
@@ -39,8 +40,10 @@ class StaticCacheProgram(nn.Module):
         self.n_masks = max(mask_of_layer) + 1
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, *masks_and_caches: torch.Tensor):
-        masks, caches = masks_and_caches[: self.n_masks], masks_and_caches[self.n_masks :]
+        masks, caches = masks_and_caches[: self.n_masks], list(masks_and_caches[self.n_masks :])
         for i, block in enumerate(self._blocks):
-            block.kv_cache.bind(caches[2 * i], caches[2 * i + 1], masks[self.mask_of_layer[i]])
+            n = len(block.kv_cache.layout(0, torch.float32))
+            block.kv_cache.bind(caches[:n], masks[self.mask_of_layer[i]])
+            del caches[:n]
         logits = self.kind.logits(self.model, tokens, positions, last_only=False)
         return (logits, *(rows for block in self._blocks for rows in block.kv_cache.take()))

@@ -13,6 +13,13 @@ from etblocks.errors import ConfigError
 
 QUANTIZE_QNN = ("16a8w", "16a4w", "8a8w")
 
+# Backends that do not lower a static program with int8 caller-owned caches in this release, and why.
+INT8_IO_CACHE_FAILS = {
+    "xnnpack": "ExecuTorch 1.5.1's XNNPACK partitioner proposes a partition with a dependency cycle around the cache "
+    "quantization",
+    "coreml": "coremltools 9.0 fails on the int8 cache tensors (KeyError: torch.int8)",
+}
+
 
 @dataclass(frozen=True)
 class Recipe:
@@ -33,6 +40,9 @@ class Recipe:
     moe: "gather" runs only each token's top-k experts (decode cost flat in the number of experts; CPUs);
         "dense" runs every expert weighted by the router (no indexing; NPUs and fixed-shape compilers).
     quantize: what `export` to this backend quantizes with unless told otherwise (QnnQuantizer precisions).
+    kv_quantize: "int8" stores the KV caches in int8 with a scale and zero point per token and KV head
+        (`etblocks.kv_cache.quantized`); in-place caches read by `llama::custom_sdpa` are read by ExecuTorch's
+        `llama::custom_quantized_sdpa` instead.
     dtype: the floating dtype of the swapped model and its caches.
     """
 
@@ -47,6 +57,7 @@ class Recipe:
     partition: Literal["all", "hybrid"] = "all"
     moe: Literal["dense", "gather"] = "gather"
     quantize: str | None = None
+    kv_quantize: Literal[None, "int8"] = None
     dtype: torch.dtype = torch.float32
 
     @property
@@ -75,6 +86,7 @@ _CHOICES = {
     "partition": ("all", "hybrid"),
     "moe": ("dense", "gather"),
     "quantize": (None, *QUANTIZE_QNN),
+    "kv_quantize": (None, "int8"),
 }
 
 
@@ -117,6 +129,17 @@ def _check_option(backend: str, key: str, value) -> None:
         raise ConfigError(f"backend={backend!r} does not support quantize={value!r}: QnnQuantizer precisions are for qnn{hint}")
 
 
+def check_int8_io_cache_lowers(backend: str) -> None:
+    """`ConfigError` for a static program with int8 caller-owned caches on a backend that cannot lower it."""
+    if backend in INT8_IO_CACHE_FAILS:
+        runs = sorted({"portable", "openvino", "vulkan"})
+        raise ConfigError(
+            f"kv_quantize='int8' with caller-owned caches does not lower to backend={backend!r}: "
+            f"{INT8_IO_CACHE_FAILS[backend]}. Lower the static program to one of {runs}, or keep float caches"
+            + (" (the dynamic xnnpack program has in-place int8 caches)" if backend == "xnnpack" else "")
+        )
+
+
 def _check_consistent(recipe: Recipe) -> None:
     problems = []
     if recipe.cache == "io" and not recipe.static:
@@ -133,5 +156,17 @@ def _check_consistent(recipe: Recipe) -> None:
         problems.append("partition='hybrid' keeps an in-place cache on CPU: it needs shapes='static', cache='inplace'")
     if recipe.quantize is not None and recipe.cache != "io":
         problems.append(f"quantize={recipe.quantize!r} applies to the static program with cache='io'")
+    if recipe.kv_quantize is not None:
+        if recipe.attention == "sha":
+            problems.append(
+                f"kv_quantize={recipe.kv_quantize!r} needs attention='mha' (single-head attention keeps float caches; "
+                "a quantized QNN program quantizes them with its activations)"
+            )
+        if recipe.quantize is not None:
+            problems.append(f"kv_quantize={recipe.kv_quantize!r} and quantize={recipe.quantize!r}: a QnnQuantizer program quantizes its caches itself")
+        if recipe.cache == "inplace" and recipe.dtype != torch.float32:
+            problems.append(f"kv_quantize={recipe.kv_quantize!r} with an in-place cache needs dtype=torch.float32, not {recipe.dtype}")
     if problems:
         raise ConfigError(f"backend={recipe.backend!r}: " + "; ".join(problems))
+    if recipe.kv_quantize is not None and recipe.cache == "io":
+        check_int8_io_cache_lowers(recipe.backend)

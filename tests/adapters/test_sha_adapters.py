@@ -45,7 +45,7 @@ def eager_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     blocks = [m for m in model.modules() if isinstance(getattr(m, "kv_cache", None), IOKVCache)]
     for block in blocks:
         empty = torch.zeros(1, 0, block.kv_cache.n_kv_heads, block.kv_cache.head_dim)
-        block.kv_cache.bind(empty, empty, causal_mask(tokens.shape[1]))
+        block.kv_cache.bind((empty, empty), causal_mask(tokens.shape[1]))
     try:
         with torch.no_grad():
             return model(input_ids=tokens, position_ids=torch.arange(tokens.shape[1])[None], use_cache=False).logits[0]

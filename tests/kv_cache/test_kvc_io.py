@@ -163,8 +163,9 @@ def test_update_appends_rows_and_keeps_no_state():
     assert list(cache.buffers()) == [] and cache.state_dict() == {}
     k_cache, v_cache = torch.zeros(1, 5, KV_HEADS, HEAD_DIM), torch.ones(1, 5, KV_HEADS, HEAD_DIM)
     k, v = torch.randn(1, 2, KV_HEADS, HEAD_DIM), torch.randn(1, 2, KV_HEADS, HEAD_DIM)
-    k_all, v_all = cache.update(k, v, k_cache, v_cache)
+    k_all, v_all, new_rows = cache.update(k, v, k_cache, v_cache)
     assert k_all.shape == v_all.shape == (1, 7, KV_HEADS, HEAD_DIM)
+    assert new_rows[0] is k and new_rows[1] is v
     assert torch.equal(k_all[:, 5:], k) and torch.equal(v_all[:, :5], v_cache)
     assert not k_cache.any()  # the caller's cache is not written
 

@@ -49,6 +49,8 @@ def convert_mla(module: nn.Module, ctx: SwapContext) -> HFMLAttention:
     recipe = ctx.recipe
     if recipe.attention == "sha":
         raise ValueError("MLA has no single-head form: its heads share one latent cache; use attention='mha'")
+    if recipe.kv_quantize is not None:
+        raise ValueError(f"kv_quantize={recipe.kv_quantize!r} does not cover MLA's latent cache; swap with kv_quantize=None")
     config = module.config
     rank, rope_dim = config.kv_lora_rank, config.qk_rope_head_dim
     dtype = module.kv_b_proj.weight.dtype
