@@ -2,7 +2,8 @@
 
     etblocks export --model demo|PATH --backend xnnpack --out model.pte --max-seq-len 256 [--no-verify]
                     [--sdpa custom|dynamic|static] [--shapes static --chunk 32] [--moe dense|gather]
-                    [--quantize 16a8w|16a4w|8a8w|none]
+                    [--kv-quantize int8] [--quantize 16a8w|16a4w|8a8w|8da4w|8da8w|none]
+                    [--group-size 32] [--quantize-embedding int8]
                     [--check] [--calibration prompts.txt] [--config file.yaml]
     etblocks run --pte model.pte (--prompt-ids 1,2,3 | --prompt TEXT --tokenizer tokenizer.json)
                  --max-new-tokens 32 [--temperature T --top-p P --seed S] [--config file.yaml]
@@ -60,7 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--shapes", help="dynamic (one forward, T dynamic) or static (prefill + decode, fixed shapes); default: the recipe's")
     export.add_argument("--chunk", type=int, metavar="N", help="tokens per prefill call of a static program (default: 32)")
     export.add_argument("--moe", help="MoE experts: gather (only each token's top-k) or dense (every expert, no indexing); default: the recipe's")
-    export.add_argument("--quantize", help="QnnQuantizer precision of a static program: 16a8w, 16a4w, 8a8w or none (default: the recipe's)")
+    export.add_argument("--kv-quantize", help="int8: KV caches stored in int8 with a scale and zero point per token and head (default: float)")
+    export.add_argument(
+        "--quantize",
+        help="QnnQuantizer precision of a static program (16a8w, 16a4w, 8a8w), or torchao weight quantization for "
+        "xnnpack (8da4w: int8 dynamic activations, int4 weights with a scale per --group-size inputs; 8da8w: int8 "
+        "weights with a scale per output channel), or none (default: the recipe's)",
+    )
+    export.add_argument(
+        "--group-size", type=int, metavar="N", help="8da4w: inputs per int4 weight scale, a multiple of 32 dividing every linear's input size (default: 32)"
+    )
+    export.add_argument("--quantize-embedding", help="int8: xnnpack programs store the token embedding as int8 rows, a scale per row (default: float)")
     export.add_argument(
         "--calibration",
         metavar="TXT",
@@ -131,7 +142,8 @@ def _options(command: str, args: argparse.Namespace, names: list[str]) -> Resolv
 
 def cmd_export(args: argparse.Namespace) -> int:
     names = [
-        "model", "backend", "out", "max_seq_len", "verify", "sdpa", "shapes", "chunk", "moe", "quantize", "check", "calibration", "adapters",
+        "model", "backend", "out", "max_seq_len", "verify", "sdpa", "shapes", "chunk", "moe", "kv_quantize", "quantize", "group_size",
+        "quantize_embedding", "check", "calibration", "adapters",
     ]
     options = _options("export", args, names)
     say = _progress()
@@ -143,6 +155,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise ConfigError(f"{options.where('check')}: check is the QNN readiness report; it needs backend qnn, not {options['backend']!r}")
     backend, overrides, dtype = _check_backend(options, lower=not check)
     quantize = {None: "auto", "none": None}.get(options["quantize"], options["quantize"])
+    _check_weight_quantization(options, backend, quantize)
     calibration = read_calibration(options["calibration"]) if options["calibration"] else None
     out = Path(options["out"])
 
@@ -182,7 +195,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(format_readiness(report), flush=True)
         return 0 if all(r.ready for r in report.values()) else 1
     result = etblocks.export(
-        model, backend=backend, out=out, max_seq_len=info.max_seq_len, quantize=quantize, calibration=calibration, progress=say
+        model, backend=backend, out=out, max_seq_len=info.max_seq_len, quantize=quantize, group_size=options["group_size"],
+        quantize_embedding=options["quantize_embedding"], calibration=calibration, progress=say,
     )
     seconds = {"swap": swap_seconds, **result.seconds}
     print(_export_summary(result, model_name, seconds), flush=True)
@@ -201,12 +215,23 @@ def _check_backend(options: Resolved, lower: bool = True) -> tuple[str, dict, An
             partitioners_for(backend)  # typed errors now rather than after minutes of work
     except ConfigError as exc:
         raise ConfigError(f"{options.where('backend')}: {exc}") from None
-    overrides = {key: options[key] for key in ("sdpa", "shapes", "chunk", "moe") if options[key] is not None}
+    overrides = {key: options[key] for key in ("sdpa", "shapes", "chunk", "moe", "kv_quantize") if options[key] is not None}
     try:
         recipe = resolve_recipe(backend, **overrides)
     except ConfigError as exc:
         raise ConfigError(f"{', '.join(options.where(key) for key in overrides) or options.where('backend')}: {exc}") from None
     return backend, overrides, recipe.dtype
+
+
+def _check_weight_quantization(options: Resolved, backend: str, quantize) -> None:
+    """torchao weight quantization options checked before any model is loaded."""
+    from etblocks.export.weights import weight_quantization
+
+    keys = [key for key in ("quantize", "group_size", "quantize_embedding") if options.where(key) != "default"]
+    try:
+        weight_quantization(backend, quantize, options["group_size"], options["quantize_embedding"])
+    except ConfigError as exc:
+        raise ConfigError(f"{', '.join(options.where(key) for key in keys) or options.where('backend')}: {exc}") from None
 
 
 def load_checkpoint(path: str | Path, dtype=None):
@@ -256,6 +281,7 @@ def _export_summary(result, model_name: str, seconds: dict[str, float]) -> str:
         f"  model       {weights}",
         f"  methods     {', '.join(result.methods)}",
         f"  delegation  {result.delegation}",
+        f"  quantized   {result.quantize or 'none'}",
         f"  metadata    {metadata}",
         f"  time        {timings}",
         f"next: etblocks run --pte {result.path} --prompt-ids 1,2,3 --max-new-tokens 16",

@@ -11,7 +11,11 @@ sdpa: custom           # or dynamic / static; omit for the backend recipe's choi
 shapes: static         # static prefill + decode program (NPU backends have it by default)
 chunk: 32              # the prefill method's fixed token count (static programs)
 moe: gather            # MoE experts: gather (top-k only) or dense (every expert); omit for the recipe's choice
-quantize: 16a8w        # QnnQuantizer precision for static programs, or none; default: the recipe's
+kv_quantize: int8      # int8 KV caches (a scale and zero point per token and head); omit for float caches
+quantize: 16a8w        # QnnQuantizer precision for static programs (16a8w, 16a4w, 8a8w), torchao weight
+                       # quantization for xnnpack (8da4w, 8da8w), or none; default: the recipe's
+group_size: 32         # 8da4w: inputs per int4 weight scale (a multiple of 32)
+quantize_embedding: int8  # xnnpack: the token embedding as int8 rows; omit for float
 check: false           # qnn: print the readiness report instead of lowering (no Qualcomm SDK needed)
 adapters:              # LoRA adapters (PEFT or torchtune directories) shipped as <out stem>.<name>.ptd files
   chat: adapters/chat  # or, as the flag takes them, a list: ["chat=adapters/chat"]
@@ -185,7 +189,10 @@ OPTIONS: dict[str, Option] = {
         Option("shapes", "--shapes", ("export",), _choice("dynamic", "static")),
         Option("chunk", "--chunk", ("export",), _int_at_least(2)),
         Option("moe", "--moe", ("export",), _choice("dense", "gather")),
-        Option("quantize", "--quantize", ("export",), _choice("none", "16a8w", "16a4w", "8a8w")),
+        Option("kv_quantize", "--kv-quantize", ("export",), _choice("int8")),
+        Option("quantize", "--quantize", ("export",), _choice("none", "16a8w", "16a4w", "8a8w", "8da4w", "8da8w")),
+        Option("group_size", "--group-size", ("export",), _int_at_least(1)),
+        Option("quantize_embedding", "--quantize-embedding", ("export",), _choice("int8")),
         Option("check", "--check", ("export",), _bool),
         Option("calibration", "--calibration", ("export",), _path),
         Option("adapters", "--adapter", ("export",), _adapter_dirs),
@@ -206,6 +213,7 @@ DEFAULTS: dict[str, Any] = {
     "backend": "xnnpack",
     "out": "model.pte",
     "verify": True,
+    "group_size": 32,
     "max_new_tokens": 32,
     "temperature": 0.0,
     "top_p": 1.0,

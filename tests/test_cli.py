@@ -402,3 +402,77 @@ def test_adapter_option_errors_exit_2(tmp_path, capsys):
         assert main(args) == 2, args
         err = error_line(capsys.readouterr().err)
         assert expected in err, (args, err)
+
+
+# ------------------------------------------------------------------------------------------ quantization
+
+
+class _Stop(Exception):
+    """Raised by a stand-in once it has recorded its call: the test needs the arguments, not the work."""
+
+
+def _recorder(calls: list):
+    def record(*args, **kwargs):
+        calls.append(kwargs)
+        raise _Stop
+
+    return record
+
+
+def test_weight_quantization_flags_and_keys_reach_export(tmp_path, monkeypatch):
+    import etblocks
+
+    calls = []
+    monkeypatch.setattr(etblocks, "export", _recorder(calls))
+    with pytest.raises(_Stop):
+        main(["export", "--model", "demo", "--out", str(tmp_path / "q.pte"), "--max-seq-len", str(MAX_SEQ_LEN),
+              "--quantize", "8da4w", "--group-size", "64", "--quantize-embedding", "int8"])
+    config = tmp_path / "q.yaml"
+    config.write_text(f"model: demo\nmax_seq_len: {MAX_SEQ_LEN}\nquantize: 8da8w\nquantize_embedding: int8\n")
+    with pytest.raises(_Stop):
+        main(["export", "--config", str(config)])
+    flags, keys = calls
+    assert (flags["quantize"], flags["group_size"], flags["quantize_embedding"]) == ("8da4w", 64, "int8")
+    assert (keys["quantize"], keys["group_size"], keys["quantize_embedding"]) == ("8da8w", 32, "int8")  # 32: the default
+
+
+def test_kv_quantize_flag_and_key_are_swap_overrides(tmp_path, monkeypatch):
+    import etblocks
+
+    calls = []
+    monkeypatch.setattr(etblocks, "swap", _recorder(calls))
+    with pytest.raises(_Stop):
+        main(["export", "--model", "demo", "--kv-quantize", "int8", "--sdpa", "dynamic"])
+    (tmp_path / "kv.yaml").write_text("model: demo\nkv_quantize: int8\n")
+    with pytest.raises(_Stop):
+        main(["export", "--config", str(tmp_path / "kv.yaml")])
+    assert calls[0]["kv_quantize"] == "int8" and calls[0]["sdpa"] == "dynamic"
+    assert calls[1]["kv_quantize"] == "int8" and "sdpa" not in calls[1]
+
+
+def test_quantization_option_errors_exit_2_before_loading(tmp_path, capsys):
+    (tmp_path / "c.yaml").write_text("model: demo\nbackend: portable\nquantize: 8da8w\n")
+    cases = [
+        (["--quantize", "8da4w", "--backend", "portable"], "--quantize: quantize='8da4w' quantizes weights for backend='xnnpack'"),
+        (["--quantize-embedding", "int8", "--backend", "portable"], "--quantize-embedding: quantize_embedding='int8' quantizes weights"),
+        (["--quantize", "8da4w", "--group-size", "48"], "--quantize, --group-size: group_size=48 is not accepted; give a positive multiple of 32"),
+        (["--quantize-embedding", "int4"], "--quantize-embedding: quantize_embedding='int4' (str) is not accepted; choose one of ['int8']"),
+        (["--quantize", "int4"], "--quantize: quantize='int4' (str) is not accepted; choose one of ['none', '16a8w', '16a4w', '8a8w', '8da4w', '8da8w']"),
+        (["--kv-quantize", "fp8"], "--kv-quantize: kv_quantize='fp8' (str) is not accepted; choose one of ['int8']"),
+        (["--config", str(tmp_path / "c.yaml")], "c.yaml', line 3: quantize='8da8w' quantizes weights for backend='xnnpack'"),
+    ]
+    for args, expected in cases:
+        assert main(["export", "--model", "demo", "--out", str(tmp_path / "x.pte"), *args]) == 2, args
+        captured = capsys.readouterr()
+        assert expected in error_line(captured.err), (args, captured.err)
+        assert "loading" not in captured.out, args
+    assert not (tmp_path / "x.pte").exists()
+
+
+def test_export_help_lists_both_quantization_families(capsys):
+    with pytest.raises(SystemExit):
+        main(["export", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for words in ("16a8w, 16a4w, 8a8w", "8da4w: int8 dynamic activations, int4 weights", "8da8w: int8 weights",
+                  "--group-size N", "--quantize-embedding", "--kv-quantize"):
+        assert words in text, words

@@ -126,6 +126,10 @@ def test_non_string_key_is_unknown():
         ("model: ''\n", r"model='' \(str\) is not accepted; give a non-empty string"),
         ("model: 3\n", r"model=3 \(int\)"),
         ("out: [a.pte]\n", r"out=\['a.pte'\] \(list\) is not accepted; give a path"),
+        ("quantize: int4\n", r"quantize='int4' \(str\) is not accepted; choose one of \['none', '16a8w', '16a4w', '8a8w', '8da4w', '8da8w'\]"),
+        ("group_size: 0\n", r"group_size=0 \(int\) is not accepted; give an integer >= 1"),
+        ("quantize_embedding: int4\n", r"quantize_embedding='int4' \(str\) is not accepted; choose one of \['int8'\]"),
+        ("kv_quantize: fp8\n", r"kv_quantize='fp8' \(str\) is not accepted; choose one of \['int8'\]"),
     ],
 )
 def test_wrong_values_name_key_value_line_and_accepted(text, pattern):
@@ -191,3 +195,12 @@ def test_run_options_and_pte_falls_back_to_out(tmp_path):
     assert options["seed"] is None
     assert "backend" not in options.values  # export-only options are not part of run
     assert resolve("run", {"pte": "flag.pte"}, config)["pte"] == "flag.pte"
+
+
+def test_quantization_keys():
+    config = parse_config("quantize: 8da4w\ngroup_size: 64\nquantize_embedding: int8\nkv_quantize: int8\n")
+    assert config.values == {"quantize": "8da4w", "group_size": 64, "quantize_embedding": "int8", "kv_quantize": "int8"}
+    options = resolve("export", {"quantize": "8da8w"}, config)
+    assert options["quantize"] == "8da8w" and options.where("quantize") == "--quantize"
+    assert options["group_size"] == 64 and options.where("group_size").endswith("line 2")
+    assert resolve("export", {})["group_size"] == DEFAULTS["group_size"] == 32

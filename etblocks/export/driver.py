@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
@@ -31,6 +32,7 @@ from etblocks.export.programs import dynamic_program, static_program
 if TYPE_CHECKING:
     from etblocks.export.qnn import QnnReadiness
 from etblocks.export.quantize import quantize_static
+from etblocks.export.weights import WEIGHT_SCHEMES, WeightQuantization, quantized_weights, weight_quantization
 from etblocks.kv_cache.base import reset_caches
 from etblocks.swap.recipes import QUANTIZE_QNN, check_int8_io_cache_lowers
 
@@ -70,6 +72,8 @@ def export(
     eos_ids: list[int] | None = None,
     vocab_size: int | None = None,
     quantize: str | None = "auto",
+    group_size: int = 32,
+    quantize_embedding: str | None = None,
     calibration: Iterable[Sequence[int]] | None = None,
     progress: Progress | None = None,
 ) -> ExportResult:
@@ -87,13 +91,18 @@ def export(
     name>.ptd`); the program starts as the base model. A quantized static program is calibrated with every
     adapter and with none.
 
-    `quantize` (static programs): a QnnQuantizer precision ("16a8w", "16a4w", "8a8w") or None; "auto" takes the
+    `quantize`: for static programs a QnnQuantizer precision ("16a8w", "16a4w", "8a8w"); "auto" takes the
     recipe's when exporting to the recipe's own backend (16a8w for qnn), else None. `calibration` holds token id
     lists run through the program to calibrate (default: `quantize.default_calibration_prompts`, seeded random ids).
+    For backend="xnnpack" (dynamic or static programs) a torchao weight scheme: "8da4w" (int8 dynamic
+    activations, int4 weights with a scale per `group_size` inputs) or "8da8w" (int8 weights, a scale per output
+    channel); `quantize_embedding="int8"` stores the embedding as int8 rows (see `etblocks.export.weights`). The
+    model itself keeps its float weights. `ExportResult.quantize` says what was applied.
     Errors (`ConfigError`, `BackendUnavailableError`) come before any work.
     """
     say = progress or (lambda message: None)
     partitioners = partitioners_for(backend)  # typed errors before any work
+    weights = _weight_quantization(backend, quantize, group_size, quantize_embedding)
     info = getattr(model, "etblocks_swap", None)
     if info is not None and info.recipe.partition == "hybrid":
         partitioners = [attention_on_cpu(p) for p in partitioners]
@@ -102,9 +111,11 @@ def export(
     if slotted:
         partitioners = [keep_slots_on_cpu(p) for p in partitioners]
     start = time.perf_counter()
+    static_quantize = None if quantize in WEIGHT_SCHEMES else quantize  # QnnQuantizer's, for static programs
     program, exported, quantize = _export_methods(
-        model, backend, max_seq_len, bos_id, eos_ids, vocab_size, quantize, calibration, say
+        model, backend, max_seq_len, bos_id, eos_ids, vocab_size, static_quantize, calibration, say, weights
     )
+    quantize = quantize or (str(weights) if weights else None)
     for ep in exported.values():
         for rewrite in BACKEND_PASSES.get(backend, []):
             rewrite(ep)
@@ -161,8 +172,9 @@ def check_qnn(
     return qnn_readiness(exported)
 
 
-def _export_methods(model, backend, max_seq_len, bos_id, eos_ids, vocab_size, quantize, calibration, say):
-    """The program and its methods exported (and, for static programs, quantized) for `backend`."""
+def _export_methods(model, backend, max_seq_len, bos_id, eos_ids, vocab_size, quantize, calibration, say, weights=None):
+    """The program and its methods exported (and, for static programs, quantized) for `backend`. `weights`:
+    torchao weight quantization applied for the time of the export (`etblocks.export.weights`)."""
     info = getattr(model, "etblocks_swap", None)
     static = info is not None and info.recipe.static
     if not static and not get_backend(backend).dynamic_shapes:
@@ -175,27 +187,61 @@ def _export_methods(model, backend, max_seq_len, bos_id, eos_ids, vocab_size, qu
             raise ConfigError(f"quantize={quantize!r} applies to static programs; swap with shapes='static' (or backend='qnn')")
         program = dynamic_program(model, max_seq_len, bos_id=bos_id, eos_ids=eos_ids, vocab_size=vocab_size)
         say(f"exporting with torch.export (T dynamic in 1..{program.max_call_len}, context {program.max_seq_len})")
-        if not lora_layers(program.module):
-            return program, {"forward": _torch_export(program.module, program.example_inputs(), program.dynamic_shapes())}, None
-        with adapter_slots(program.module) as table:
-            say(f"with LoRA slots in {len(table.slots)} layers and a {SET_ADAPTER_METHOD} method")
-            forward = _torch_export(program.module, program.example_inputs(), program.dynamic_shapes())
-            exported = {"forward": forward, SET_ADAPTER_METHOD: set_adapter_program(program.module, table, _torch_export)}
+        with _weights_quantized(model, program.module, program.example_inputs(), weights, say):
+            if not lora_layers(program.module):
+                forward = _torch_export(program.module, program.example_inputs(), program.dynamic_shapes())
+                return program, {"forward": forward}, None
+            with adapter_slots(program.module) as table:
+                say(f"with LoRA slots in {len(table.slots)} layers and a {SET_ADAPTER_METHOD} method")
+                forward = _torch_export(program.module, program.example_inputs(), program.dynamic_shapes())
+                exported = {"forward": forward, SET_ADAPTER_METHOD: set_adapter_program(program.module, table, _torch_export)}
         program.metadata[ADAPTERS_METHOD] = table.as_constant()
         return program, exported, None
     if info.recipe.kv_quantize is not None and info.recipe.cache == "io":
         check_int8_io_cache_lowers(backend)
     quantize = _static_quantize(info.recipe, backend, quantize)
+    if weights is not None and info.recipe.linear == "conv2d":
+        raise ConfigError(
+            f"{weights} weight quantization takes linear projections; this swap's recipe has linear='conv2d' (1x1 "
+            f"convolutions for QNN): swap with etblocks.swap(model, backend={backend!r}, shapes='static') instead"
+        )
     calibration = None if calibration is None else [list(prompt) for prompt in calibration]
     program = static_program(model, max_seq_len, bos_id=bos_id, eos_ids=eos_ids, quantized=quantize is not None)
     say(f"exporting prefill (T={program.contract.chunk}) and decode (T=1) with static shapes")
-    exported = {name: _torch_export(program.module, program.example_inputs(name)) for name in program.contract.methods}
+    with _weights_quantized(model, program.module, program.example_inputs("decode"), weights, say):
+        exported = {name: _torch_export(program.module, program.example_inputs(name)) for name in program.contract.methods}
     if quantize is not None:
         adapters = [program.contract.adapter_table.inputs(adapter_tensors(model, name)) for name in adapter_names(model)]
         with_adapters = f", with {len(adapters)} adapters and without" if adapters else ""
         say(f"quantizing with QnnQuantizer ({quantize}) on {len(calibration) if calibration else 'default'} calibration prompts{with_adapters}")
         exported = quantize_static(exported, program.contract, quantize, calibration, adapters)
     return program, exported, quantize
+
+
+def _weight_quantization(backend: str, quantize, group_size, quantize_embedding) -> WeightQuantization | None:
+    """`quantize` checked against both families (QnnQuantizer precisions, torchao weight schemes) and the
+    torchao weight quantization asked for, before any work."""
+    accepted = (None, "auto", *QUANTIZE_QNN, *WEIGHT_SCHEMES)
+    if quantize not in accepted:
+        raise ConfigError(
+            f"quantize={quantize!r} is not accepted; choose one of {list(accepted)}: QnnQuantizer precisions "
+            f"{list(QUANTIZE_QNN)} for static programs, torchao weight schemes {list(WEIGHT_SCHEMES)} for backend='xnnpack'"
+        )
+    weights = weight_quantization(backend, quantize, group_size, quantize_embedding)
+    if weights is not None and quantize in QUANTIZE_QNN:
+        raise ConfigError(
+            f"quantize_embedding={quantize_embedding!r} is torchao weight quantization; it does not combine with the "
+            f"QnnQuantizer precision quantize={quantize!r}"
+        )
+    return weights
+
+
+@contextmanager
+def _weights_quantized(model, program_module, example_inputs, weights: WeightQuantization | None, say):
+    with quantized_weights(model, program_module, example_inputs, weights) as names:
+        if names:
+            say(f"quantized the weights of {len(names)} modules ({weights}) for the export; the model keeps its own")
+        yield
 
 
 def _static_quantize(recipe, backend: str, quantize) -> str | None:

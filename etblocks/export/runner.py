@@ -61,8 +61,10 @@ class Runner:
         from executorch.runtime import Runtime
 
         from etblocks.attention.sdpa import load_llama_custom_ops
+        from etblocks.kv_cache.quantized import load_quantized_ops
 
         load_llama_custom_ops()
+        load_quantized_ops()  # also gives this process's runtime the quantized_decomposed kernels (int8 embedding, int8 KV caches)
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"path={str(path)!r} is not a file; give the .pte written by etblocks.export")
