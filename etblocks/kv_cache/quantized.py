@@ -21,7 +21,8 @@ QMIN, QMAX = -128, 127
 
 
 def load_quantized_ops() -> None:
-    """Register ExecuTorch's `quantized_decomposed` per-token ops with torch (the runtime has their kernels)."""
+    """Register ExecuTorch's `quantized_decomposed` ops: their out variants with torch (for export) and their
+    kernels with the Python runtime (a program using them fails to load before this import)."""
     import executorch.kernels.quantized  # noqa: F401
 
 
