@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -60,13 +60,17 @@ class Shape:
     norm_eps: float = 1e-5
     rope_theta: float = 100000.0
 
+    def linear_shapes(self) -> list[tuple[int, int]]:
+        """(out, in) features of each linear in one decoder layer: q, k, v, o, gate, up, down."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return [(q, self.hidden), (kv, self.hidden), (kv, self.hidden), (self.hidden, q),
+                (self.intermediate, self.hidden), (self.intermediate, self.hidden), (self.hidden, self.intermediate)]
+
     def weight_bytes_per_token(self, bytes_per_param: int = 4) -> int:
         """Weight bytes one decoded token reads: every linear plus the lm_head (the tied embedding counts once,
         as lm_head; the embedding row gather, norms and KV cache are left out)."""
-        q_o = 2 * self.hidden * self.heads * self.head_dim
-        k_v = 2 * self.hidden * self.kv_heads * self.head_dim
-        mlp = 3 * self.hidden * self.intermediate
-        return ((q_o + k_v + mlp) * self.layers + self.vocab * self.hidden) * bytes_per_param
+        linears = sum(out_features * in_features for out_features, in_features in self.linear_shapes())
+        return (linears * self.layers + self.vocab * self.hidden) * bytes_per_param
 
 
 @dataclass
@@ -326,9 +330,11 @@ class EagerDriver:
 
 
 def export_with_etblocks(bench: Bench, row: Row, build_model: Callable[[Bench], torch.nn.Module],
-                         filename: str) -> tuple[Driver, Any]:
+                         filename: str, swap_options: Mapping[str, Any] | None = None,
+                         export_options: Mapping[str, Any] | None = None) -> tuple[Driver, Any]:
     """Build a model, swap its blocks for XNNPACK, export `forward(tokens, input_pos)` to `bench.out_dir /
-    filename` (timed: swap + export + lowering) and load it; returns the driver and etblocks' ExportResult."""
+    filename` (timed: swap + export + lowering) and load it; returns the driver and etblocks' ExportResult.
+    `swap_options` / `export_options`: more keyword arguments of `etblocks.swap` / `etblocks.export`."""
     try:
         from etblocks import export, swap
     except ImportError as e:
@@ -337,8 +343,9 @@ def export_with_etblocks(bench: Bench, row: Row, build_model: Callable[[Bench], 
     path = bench.out_dir / filename
     start = time.perf_counter()
     with torch.no_grad():
-        model = swap(model, backend="xnnpack", max_seq_len=bench.shape.max_seq_len) or model
-        result = export(model, backend="xnnpack", out=path, max_seq_len=bench.shape.max_seq_len)
+        model = swap(model, backend="xnnpack", max_seq_len=bench.shape.max_seq_len, **(swap_options or {})) or model
+        result = export(model, backend="xnnpack", out=path, max_seq_len=bench.shape.max_seq_len,
+                        **(export_options or {}))
     row.export_s = time.perf_counter() - start
     del model
     gc.collect()
@@ -585,10 +592,11 @@ def _matching_prefix(tokens: Sequence[int], reference: Sequence[int]) -> int:
     return n
 
 
-def format_table(rows: list[Row], roofline_tps: float, reference: list[int], ref_key: str = "a",
-                 reference_label: str = "eager", extra_headers: Sequence[str] = ()) -> str:
-    """The results as one aligned text table; `extra_headers` adds columns (before the tokens) filled from each
-    row's `extras`, and `reference_label` names what the tokens are compared with."""
+def format_table(rows: list[Row], roofline_tps: float | Mapping[str, float], reference: list[int],
+                 ref_key: str = "a", reference_label: str = "eager", extra_headers: Sequence[str] = ()) -> str:
+    """The results as one aligned text table; `roofline_tps` is one for all rows or one per row key (rows that
+    read different bytes per token), `extra_headers` adds columns (before the tokens) filled from each row's
+    `extras`, and `reference_label` names what the tokens are compared with."""
     ref = next((r for r in rows if r.key == ref_key and r.status == "ok"), None)
     headers = ["row", "decode tok/s", "prefill tok/s", "export+lower s", ".pte MB", f"decode/({ref_key})",
                f"prefill/({ref_key})", f"export/({ref_key})", f"pte/({ref_key})", "decode %roof", *extra_headers,
@@ -596,6 +604,7 @@ def format_table(rows: list[Row], roofline_tps: float, reference: list[int], ref
     lines = []
     for r in rows:
         label = f"({r.key}) {r.name}"
+        roofline = roofline_tps[r.key] if isinstance(roofline_tps, Mapping) else roofline_tps
         if r.status != "ok":
             lines.append([label, r.status])
             continue
@@ -604,10 +613,16 @@ def format_table(rows: list[Row], roofline_tps: float, reference: list[int], ref
             _fmt(r.pte_mb, ".0f"),
             _ratio(r.decode_tps, ref and ref.decode_tps), _ratio(r.prefill_tps, ref and ref.prefill_tps),
             _ratio(r.export_s, ref and ref.export_s), _ratio(r.pte_mb, ref and ref.pte_mb),
-            _fmt(100 * r.decode_tps / roofline_tps if r.decode_tps else None, ".0f") + "%",
+            _fmt(100 * r.decode_tps / roofline if r.decode_tps else None, ".0f") + "%",
             *(r.extras.get(header, "-") for header in extra_headers),
             f"{_matching_prefix(r.tokens, reference)}/{len(reference)}",
         ])
+    return aligned_table(headers, lines)
+
+
+def aligned_table(headers: Sequence[str], lines: Sequence[Sequence[str]]) -> str:
+    """Lines of cells under their headers, the first column left-aligned and the others right-aligned; a line of
+    two cells (label, status) is a row without figures, its status written out in full."""
     widths = [max([len(headers[i]), *(len(l[i]) for l in lines if len(l) > 2)]) for i in range(len(headers))]
     out = ["  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(headers, widths)))]
     out.append("  ".join("-" * w for w in widths))
@@ -651,9 +666,9 @@ def format_targets(rows: list[Row], rooflines: list[float]) -> str:
 # Main
 
 
-def parse_args(argv: Sequence[str] | None = None, paths: Sequence[PathSpec] = PATHS,
-               description: str | None = __doc__) -> argparse.Namespace:
-    """The benchmark's options; `paths` and `description` let another script over other rows share them."""
+def argument_parser(paths: Sequence[PathSpec] = PATHS, description: str | None = __doc__) -> argparse.ArgumentParser:
+    """The benchmark's options; `paths` and `description` let another script over other rows share them (and add
+    its own options to the parser)."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default=",".join(p.key for p in paths if p.default),
                         help="comma-separated row keys: " + ", ".join(f"{p.key}={p.name}" for p in paths))
@@ -668,7 +683,13 @@ def parse_args(argv: Sequence[str] | None = None, paths: Sequence[PathSpec] = PA
                         help="weight init std; 0.02 (the default of transformers) makes greedy repeat one token")
     parser.add_argument("--out-dir", type=Path, default=None,
                         help="where the .pte files go (kept); default: a temp dir, deleted at the end")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None, paths: Sequence[PathSpec] = PATHS,
+               description: str | None = __doc__) -> argparse.Namespace:
+    """The benchmark's options parsed (see `argument_parser`)."""
+    return argument_parser(paths, description).parse_args(argv)
 
 
 def prepare_path(spec: PathSpec, bench: Bench) -> tuple[Row, Driver | None]:

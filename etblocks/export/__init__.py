@@ -1,5 +1,6 @@
 """Export driver, backends, program contracts and the runner."""
 
+from etblocks.export.accuracy import AccuracyReport, EagerModel, next_token_agreement
 from etblocks.export.backends import BACKENDS, get_backend, partitioners_for
 from etblocks.export.delegation import DelegationSummary
 from etblocks.export.contract import StaticContract
@@ -19,4 +20,7 @@ __all__ = [
     "get_backend",
     "partitioners_for",
     "DelegationSummary",
+    "AccuracyReport",
+    "EagerModel",
+    "next_token_agreement",
 ]

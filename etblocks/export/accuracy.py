@@ -1,0 +1,126 @@
+"""How far a quantized (or otherwise changed) program's next-token distributions are from a reference's.
+
+Two measures, over every position of teacher-forced sequences (both models see the same tokens, so one early
+difference does not make every later position differ, as it would in free generation):
+
+- top-1 agreement: the fraction of positions where both pick the same most likely token, i.e. where greedy
+  decoding would continue alike. It ignores everything but the top token.
+- KL(P_ref || P_cand) of the softmax distributions, in nats, computed in float64: how much probability the
+  candidate moves, weighted by where the reference puts it, so it also sees changes that do not flip the top token
+  (what sampling at temperature 1 would notice). The mean says how much on average; the 99th percentile and the
+  maximum say whether a few positions break badly, which a mean hides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+import torch
+
+from etblocks.errors import ConfigError
+
+KL_PERCENTILE = 0.99
+
+
+class LogitsModel(Protocol):
+    """What the comparison drives: `etblocks.Runner`, `EagerModel`, or anything alike."""
+
+    def reset(self) -> None: ...
+
+    def forward(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Feed `tokens` after those fed since `reset()`; return the logits `[V]` after the last one."""
+        ...
+
+
+@dataclass(frozen=True)
+class AccuracyReport:
+    """Next-token agreement of a candidate with a reference over `positions` compared distributions."""
+
+    positions: int
+    top1_agreement: float  # fraction of positions whose argmax agrees
+    mean_kl: float  # nats, KL(P_ref || P_cand)
+    p99_kl: float
+    max_kl: float
+
+
+class EagerModel:
+    """A PyTorch causal LM (transformers: `.logits` of its output; torchtune: the output itself) as a
+    `LogitsModel` without any KV cache: every call runs the whole sequence so far, the plainest reference."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.tokens: list[int] = []
+
+    def reset(self) -> None:
+        self.tokens = []
+
+    @torch.no_grad()
+    def forward(self, tokens: Sequence[int]) -> torch.Tensor:
+        self.tokens += [int(t) for t in tokens]
+        out: Any = self.model(torch.tensor([self.tokens], dtype=torch.long))
+        logits = out.logits if hasattr(out, "logits") else out
+        return logits[0, -1]
+
+
+def next_token_agreement(
+    reference: LogitsModel, candidate: LogitsModel, sequences: Sequence[Sequence[int]], prefill: int
+) -> AccuracyReport:
+    """Compare `candidate` with `reference` over teacher-forced `sequences`.
+
+    For each sequence both are reset, fed its first `prefill` tokens in one call (a prefill), then the remaining
+    tokens one per call (decode steps through the KV cache); the next-token distributions are compared after every
+    call, so a sequence of length L gives L - prefill + 1 positions. Raises `ConfigError` for no sequences, a
+    `prefill` outside 1..len(sequence), or logits that are not `[V]` or whose V differ between the two.
+    """
+    _check_inputs(sequences, prefill)
+    agree, kls = 0, []
+    for sequence in sequences:
+        tokens = [int(t) for t in sequence]
+        reference.reset()
+        candidate.reset()
+        feeds = [tokens[:prefill]] + [[t] for t in tokens[prefill:]]
+        for feed in feeds:
+            ref_logits, cand_logits = _checked_logits(reference.forward(feed), candidate.forward(feed))
+            agree += int(ref_logits.argmax() == cand_logits.argmax())
+            kls.append(kl_divergence(ref_logits, cand_logits))
+    kl = torch.tensor(kls, dtype=torch.float64)
+    return AccuracyReport(
+        positions=len(kls),
+        top1_agreement=agree / len(kls),
+        mean_kl=float(kl.mean()),
+        p99_kl=float(torch.quantile(kl, KL_PERCENTILE)),
+        max_kl=float(kl.max()),
+    )
+
+
+def kl_divergence(reference_logits: torch.Tensor, candidate_logits: torch.Tensor) -> float:
+    """KL(softmax(reference) || softmax(candidate)) in nats, in float64."""
+    log_p = torch.log_softmax(reference_logits.to(torch.float64), dim=-1)
+    log_q = torch.log_softmax(candidate_logits.to(torch.float64), dim=-1)
+    return float((log_p.exp() * (log_p - log_q)).sum())
+
+
+def _check_inputs(sequences: Sequence[Sequence[int]], prefill: int) -> None:
+    if len(sequences) == 0:
+        raise ConfigError("sequences is empty; give at least one token sequence")
+    for index, sequence in enumerate(sequences):
+        if not 1 <= prefill <= len(sequence):
+            raise ConfigError(
+                f"prefill={prefill} does not fit sequence {index} of {len(sequence)} tokens; accepted is "
+                f"1 <= prefill <= the length of every sequence"
+            )
+
+
+def _checked_logits(reference: torch.Tensor, candidate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if reference.dim() != 1 or candidate.dim() != 1:
+        raise ConfigError(
+            f"logits of shapes {list(reference.shape)} (reference) and {list(candidate.shape)} (candidate); "
+            "forward(tokens) must return the logits [V] after the last token"
+        )
+    if reference.shape != candidate.shape:
+        raise ConfigError(
+            f"vocab mismatch: the reference gives {reference.shape[0]} logits, the candidate {candidate.shape[0]}; "
+            "compare models over the same vocabulary"
+        )
+    return reference, candidate
