@@ -120,16 +120,7 @@ class QuantizedKVCache(_Int8Buffers, StaticKVCache):
         self.dequantize = dequantize
 
     def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        start = None
-        if self.use_custom_op:
-            start = input_pos[0].item()
-            torch._check(start >= 0)
-            torch._check(start + k.shape[1] <= self.max_seq_len)  # the kernel skips an overflowing write silently
-        for cache, new in zip((*self.k_rows, *self.v_rows), (*quantize_rows(k), *quantize_rows(v))):
-            if start is None:
-                cache.index_copy_(1, input_pos, new)
-            else:
-                torch.ops.llama.update_cache(new, cache, start)
+        self.write(input_pos, list(zip((*self.k_rows, *self.v_rows), (*quantize_rows(k), *quantize_rows(v)))))
         if not self.dequantize:
             return self.k_rows, self.v_rows, self.positions
         return dequantize_rows(self.k_rows, self.dtype), dequantize_rows(self.v_rows, self.dtype), self.positions

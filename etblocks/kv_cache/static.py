@@ -35,13 +35,17 @@ class StaticKVCache(KVCache):
         self.register_buffer("positions", torch.arange(length), persistent=False)
 
     def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        if self.use_custom_op:
-            start = input_pos[0].item()
-            torch._check(start >= 0)
-            torch._check(start + k.shape[1] <= self.max_seq_len)  # the kernel skips an overflowing write silently
-            torch.ops.llama.update_cache(k, self.k_cache, start)
-            torch.ops.llama.update_cache(v, self.v_cache, start)
-        else:
-            self.k_cache.index_copy_(1, input_pos, k)
-            self.v_cache.index_copy_(1, input_pos, v)
+        self.write(input_pos, [(self.k_cache, k), (self.v_cache, v)])
         return self.k_cache, self.v_cache, self.positions
+
+    def write(self, input_pos: torch.Tensor, stores: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write each `(buffer, rows)` pair's rows `[B, T, ...]` at positions `input_pos` of its buffer."""
+        if not self.use_custom_op:
+            for buffer, rows in stores:
+                buffer.index_copy_(1, input_pos, rows)
+            return
+        start = input_pos[0].item()
+        torch._check(start >= 0)
+        torch._check(start + stores[0][1].shape[1] <= self.max_seq_len)  # the kernel skips an overflowing write silently
+        for buffer, rows in stores:
+            torch.ops.llama.update_cache(rows, buffer, start)
