@@ -209,10 +209,17 @@ class Runner:
             logits = self.forward([token])
 
 
+def greedy_token(logits: torch.Tensor) -> int:
+    """Index of the largest logit (the first on ties), by numpy: over a 49k vocabulary torch.argmax took ~50 us
+    here, ~150 us between decode steps (3% of a 4-bit SmolLM2-135M step), numpy's ~5 us."""
+    flat = logits.detach().reshape(-1)
+    return int(flat.float().numpy().argmax() if flat.dtype != torch.float32 else flat.numpy().argmax())
+
+
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, generator=None) -> int:
     """Greedy at temperature 0; otherwise nucleus sampling over `softmax(logits / temperature)`."""
     if temperature == 0:
-        return int(torch.argmax(logits))
+        return greedy_token(logits)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     sorted_probs, order = torch.sort(probs, descending=True)
     outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= top_p
