@@ -181,13 +181,14 @@ def argmax_last(logits: torch.Tensor) -> int:
     return greedy_token(logits.reshape(-1, logits.shape[-1])[-1])
 
 
-def load_method(path: Path, name: str = "forward") -> Any:
+def load_method(path: Path, name: str = "forward", **program_options: Any) -> Any:
     """Load one method of a .pte with the Python ExecuTorch runtime (llama custom ops registered). The method
-    keeps a reference to its program: a method whose program was freed fails intermittently at run time."""
+    keeps a reference to its program: a method whose program was freed fails intermittently at run time.
+    `program_options` go to `Runtime.load_program` (e.g. `enable_etdump=True`)."""
     import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (llama::custom_sdpa, update_cache)
     from executorch.runtime import Runtime
 
-    program = Runtime.get().load_program(Path(path))
+    program = Runtime.get().load_program(Path(path), **program_options)
     method = program.load_method(name)
     method.etblocks_program = program
     return method
@@ -259,8 +260,8 @@ class TokensPosDriver:
     """A program with `forward(tokens int64 [1,T], input_pos int64 [1]) -> logits` and its KV cache as
     mutable buffers; prefill is one call when T is dynamic, else token by token (`token_by_token`)."""
 
-    def __init__(self, path: Path, token_by_token: bool = False):
-        self.method = load_method(path)
+    def __init__(self, path: Path, token_by_token: bool = False, **program_options: Any):
+        self.method = load_method(path, **program_options)
         self.token_by_token = token_by_token
 
     def _step(self, tokens: list[int], pos: int) -> int:
@@ -444,16 +445,24 @@ def path_llama_example(bench: Bench, row: Row) -> Driver:
     --xnnpack-extended-ops`: custom SDPA + custom KV cache, strict export with a dynamic token dim,
     RemoveRedundantTransposes, lowering, and ExecutorchBackendConfig(alloc_graph_input=False,
     ConstraintBasedSymShapeEvalPass), all through its LLMEdgeManager."""
+    return export_llama_example(bench, row, "c_llama_example.pte")
+
+
+def export_llama_example(bench: Bench, row: Row, filename: str, quantize: str | None = None,
+                         group_size: int | None = None) -> Driver:
+    """`path_llama_example`'s export to `bench.out_dir / filename`; `quantize` (e.g. "8da4w") adds ExecuTorch's
+    weight quantization first, as export_llama_lib's `-qmode` / `--group_size` do (its `quantize()`, HQQ scales)."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.examples.models.llama.source_transformation.custom_kv_cache import (
         replace_kv_cache_with_custom_kv_cache,
     )
+    from executorch.examples.models.llama.source_transformation.quantize import get_quant_weight_transform
     from executorch.examples.models.llama.source_transformation.sdpa import replace_sdpa_with_custom_op
     from executorch.extension.llm.export.builder import DType, LLMEdgeManager
 
     s = bench.shape
     model = llama_example_model(bench)
-    path = bench.out_dir / "c_llama_example.pte"
+    path = bench.out_dir / filename
     start = time.perf_counter()
     manager = LLMEdgeManager(
         model=model,
@@ -472,8 +481,9 @@ def path_llama_example(bench: Bench, row: Row) -> Driver:
             "enable_dynamic_shape": True,
         },
     )
-    # Same order as export_llama_lib._get_source_transforms: SDPA first, then the KV cache.
-    manager.source_transform([replace_sdpa_with_custom_op, replace_kv_cache_with_custom_kv_cache])
+    # Same order as export_llama_lib._get_source_transforms: weights, then SDPA, then the KV cache.
+    weights = [get_quant_weight_transform(quantize, group_size, DType.fp32)] if quantize else []
+    manager.source_transform([*weights, replace_sdpa_with_custom_op, replace_kv_cache_with_custom_kv_cache])
     lower_llm_manager(manager, [XnnpackPartitioner()], path)
     row.export_s = time.perf_counter() - start
     del model, manager
@@ -624,13 +634,16 @@ def format_table(rows: list[Row], roofline_tps: float | Mapping[str, float], ref
 
 
 def aligned_table(headers: Sequence[str], lines: Sequence[Sequence[str]]) -> str:
-    """Lines of cells under their headers, the first column left-aligned and the others right-aligned; a line of
-    two cells (label, status) is a row without figures, its status written out in full."""
-    widths = [max([len(headers[i]), *(len(l[i]) for l in lines if len(l) > 2)]) for i in range(len(headers))]
+    """Lines of cells under their headers, the first column left-aligned and the others right-aligned; in a table
+    of more than two columns, a line of two cells (label, status) is a row without figures, its status written out
+    in full."""
+    status_lines = len(headers) > 2
+    widths = [max([len(headers[i]), *(len(l[i]) for l in lines if len(l) > 2 or not status_lines)])
+              for i in range(len(headers))]
     out = ["  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(headers, widths)))]
     out.append("  ".join("-" * w for w in widths))
     for l in lines:
-        if len(l) == 2:
+        if len(l) == 2 and status_lines:
             out.append(f"{l[0].ljust(widths[0])}  {l[1]}")
         else:
             out.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(l, widths))))

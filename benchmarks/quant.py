@@ -67,6 +67,7 @@ rounds [31.2-61.5]):
     (f) 8da4w, int8 KV           121.2 [108.9-142.7]   667 [586-677]        339      189       2.45x    27%      76.6
     (g) 8da4w, int8 embedding    183.5 [122.8-193.5]  1182 [792-1202]       299      105       3.71x    43%      79.4
     FAIL  (e) 8da4w decode % of its roofline: 45% (median of per-round ratios; goal >= 50%)
+    (benchmarks/decode_profile.py profiles (e) beside ExecuTorch's own 8da4w export: see its docstring)
 
     trained model: held-out loss 0.413 nats/token (unigram 5.719, uniform 6.238, generator's entropy 0.348)
     option                     against      top-1 agree   mean KL    p99 KL    max KL  positions
