@@ -80,7 +80,8 @@ from typing import Any
 
 import torch
 
-from decode import Bench, Shape, _matching_prefix, _paired_median, _spread, build_hf_model, time_round, warm_up
+from decode import (Bench, Shape, _matching_prefix, _paired_median, _spread, argmax_last, build_hf_model, time_round,
+                    warm_up)
 
 
 @dataclass(frozen=True)
@@ -145,11 +146,11 @@ class RunnerDriver:
 
     def prefill(self, prompt: list[int]) -> int:
         self.runner.reset()
-        return int(self.runner.forward(prompt).argmax())
+        return argmax_last(self.runner.forward(prompt))
 
     def decode(self, token: int, pos: int) -> int:
         assert pos == self.runner.pos, (pos, self.runner.pos)
-        return int(self.runner.forward([token]).argmax())
+        return argmax_last(self.runner.forward([token]))
 
 
 # --------------------------------------------------------------------------------------------------
