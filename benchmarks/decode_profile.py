@@ -13,15 +13,17 @@ with ETDump on (`Runtime.load_program(enable_etdump=True)`; the pip wheel record
 the mean time per decode step is split into:
 
   XNNPACK operators       the time inside XNNPACK's operators (the GEMMs, mostly), summed over all delegates
-  delegate call overhead  DELEGATE_CALL minus its operators: per call, XNNPACK's executor reshapes the whole
-                          runtime for the dynamic token dim and sets it up again
+  delegate call overhead  DELEGATE_CALL minus its operators: per call, XNNPACK's executor reshapes and sets up
+                          every operator of the delegate again (so it grows with the operators, not the calls)
   CPU operators           the kernels outside the delegates (llama::custom_sdpa, update_cache, the embedding, ...)
   Method::execute other   ExecuTorch's own work between instructions
   Python and pybind       the Python step (perf_counter around the driver's decode call) minus Method::execute:
                           the input tensors, the output copy into a new tensor, the argmax
 
 and the weights' bytes at the sampled bandwidth are printed beside it (what the step would take if it only read
-them). Profiling adds a little time per operator, so the profiled step is slower than the timed one.
+them). Profiling adds time to every event it records, far more than a little: the (a) program's step took 7.7 ms
+profiled and 4.2 ms timed on the same quiet host (2026-12-01). The split below therefore overstates the small
+per-call items; `step_breakdown.py` times the parts unprofiled, each as a program of its own.
 
     python benchmarks/decode_profile.py                 # 30 layers: two exports (~6 and ~9 min), then timing
     python benchmarks/decode_profile.py --layers 2 --rounds 2 --profile-steps 4 --decode-steps 8   # smoke, ~2 min
@@ -46,16 +48,14 @@ this shared host):
       Python and pybind                        0.394 (6%)                          0.507 (6%)
     weights at the roofline bandwidth          2.414 (40%)                         2.414 (28%)
 
-Reading: both programs decode at the same speed. The XNNPACK operators read etblocks' 79 MB of weights in 2.6 ms,
-about 94% of the sampled bandwidth; the rest of the step is paid per call, not per byte: ~50 us per delegate call
-(one per layer: the KV cache update and `llama::custom_sdpa` run on CPU between them) and ~37 us per
-`custom_sdpa` call, together more than the weights take. fp32 reads 6.8x the bytes for the same per-call costs,
-hence its ~80% of roofline. The per-call costs swing with the host's load (an earlier profile of the same program
-on a quieter host: ~30 us per delegate call, ~19 us per custom_sdpa call), and so does the share of the roofline:
-the (a) program, timed alone (one program per process, 5 x 64 steps) right after this run, decoded at 222 tok/s,
-53% of this run's roofline. ExecuTorch's own program makes 123 delegate calls per step (its RMSNorm's mean and some
-slices run on CPU) and profiles slower, but times the same unprofiled: ETDump's per-call cost inflates programs
-with many calls.
+Reading: both programs decode at the same speed. The profile's absolute split does not hold up unprofiled
+(`step_breakdown.py`, 2026-12-01): the XNNPACK operators do not read the weights at ~94% of the bandwidth; the
+linears alone, as one program, read them at ~73% (3.0 ms), and the rest of the step is paid per operator: the
+RMSNorms add 0.48 ms (60 norms of ~6 small XNNPACK operators each) and the attention (rope, the
+`llama::update_cache` writes, `llama::custom_sdpa`, one delegate per layer) 1.58 ms, ~53 us per layer. fp32 reads
+6.8x the bytes for the same per-operator costs, hence its ~80% of roofline. ExecuTorch's own program makes 123
+delegate calls per step (its RMSNorm's mean and some slices run on CPU) and profiles slower, but times the same
+unprofiled.
 """
 
 from __future__ import annotations

@@ -67,7 +67,8 @@ rounds [31.2-61.5]):
     (f) 8da4w, int8 KV           121.2 [108.9-142.7]   667 [586-677]        339      189       2.45x    27%      76.6
     (g) 8da4w, int8 embedding    183.5 [122.8-193.5]  1182 [792-1202]       299      105       3.71x    43%      79.4
     FAIL  (e) 8da4w decode % of its roofline: 45% (median of per-round ratios; goal >= 50%)
-    (benchmarks/decode_profile.py profiles (e) beside ExecuTorch's own 8da4w export: see its docstring)
+    (benchmarks/decode_profile.py profiles (e) beside ExecuTorch's own 8da4w export; benchmarks/step_breakdown.py
+    times its parts unprofiled: see their docstrings)
 
     trained model: held-out loss 0.413 nats/token (unigram 5.719, uniform 6.238, generator's entropy 0.348)
     option                     against      top-1 agree   mean KL    p99 KL    max KL  positions
@@ -178,14 +179,14 @@ def swapped(model: torch.nn.Module, option: Option, max_seq_len: int) -> torch.n
 # Roofline
 
 
-def linear_bytes(out_features: int, in_features: int, quantize: str | None) -> float:
-    """Bytes of one linear's weight as XNNPACK reads it (see the module docstring)."""
+def linear_bytes(out_features: int, in_features: int, quantize: str | None, group_size: int = GROUP_SIZE) -> float:
+    """Bytes of one linear's weight as XNNPACK reads it (see the module docstring); `group_size`: 8da4w's groups."""
     if quantize is None:
         return 4 * out_features * in_features
     if quantize == "8da8w":
         return out_features * in_features + 4 * out_features
     if quantize == "8da4w":
-        return out_features * in_features / 2 + 2 * out_features * in_features / GROUP_SIZE
+        return out_features * in_features / 2 + 2 * out_features * in_features / group_size
     raise ValueError(f"no byte count for quantize={quantize!r}")
 
 

@@ -1,0 +1,279 @@
+"""Where a decode step's time goes, by subtraction: XNNPACK's linears alone per weight scheme, then an 8da4w step
+built up from them block by block.
+
+`decode_profile.py` splits a step with ETDump, but profiling adds time to every event it records (a 4.2 ms step
+profiles at 7.7 ms), so its split overstates the small per-call costs. Here every part is timed unprofiled, as a
+program of its own: one token through `--layers` decoder layers of the SmolLM2-135M shape (q, k, v, o, gate, up,
+down) and the lm_head, called with `x [1, 1, hidden]` and its position. Rows:
+
+  linears alone, one XNNPACK delegate per program, chained as a decoder chains them
+  (`x += o(q(x) + [k(x), v(x), k(x)])`, `x += down(silu(gate(x)) * up(x))`), quantized with the torchao configs of
+  `etblocks.export`:
+    a  fp32
+    b  8da8w       int8 weights per output channel, int8 dynamic activations
+    c  8da4w g32   int4 weights in groups of 32 (`etblocks.export(quantize="8da4w")`'s default)
+    d  8da4w g192  groups of 192, the largest dividing both 576 and 1536: 9% fewer bytes than g32
+  the 8da4w g32 step built up from (c):
+    e  + RMSNorm   before the attention and the MLP, as in Llama
+    f  + attention  etblocks' `Attention` instead of `o(q(x) + ...)`: rope, `StaticKVCache` written by
+                   `llama::update_cache`, `CustomSDPA` (`llama::custom_sdpa`), as `swap(backend="xnnpack")` builds it;
+                   the cache ops run on CPU, so the program has one delegate per layer
+    g  etblocks' program  a transformers Llama swapped and exported by etblocks (`quant.py`'s row (e)); adds the
+                   embedding and transformers' layer code, called with a token instead of `x`
+
+All programs are loaded, then timed in `--rounds` interleaved rounds of `--calls` calls each at positions 64 on (as
+`quant.py` decodes after its 64-token prompt), the read bandwidth sampled every round (`decode.py`). Columns: the MB
+of weights a call reads (`quant.py`'s count), ms per call (median [min-max]), those MB over that time in GB/s and as %
+of the round's bandwidth (median of per-round ratios), the ms over the row above (median of per-round differences,
+second table) and the ms relative to (c). A row's share of the bandwidth caps every program built on it: (c)'s is
+the most an 8da4w step with these kernels can reach here.
+
+    python benchmarks/step_breakdown.py                    # 30 layers: seven exports (~16 min), then timing
+    python benchmarks/step_breakdown.py --layers 2 --rounds 2 --calls 10   # smoke run, ~2 min
+
+Full default run (etblocks 683bfcd + this script, this project's 2-core machine, 21 min; read bandwidth 33.3 GB/s,
+median of the rounds [29.9-49.6]):
+
+    linears alone, per weight scheme
+    program         weights MB                 ms/call  GB/s  % of bandwidth  ms/(c)  export s
+    (a) fp32             537.9  18.879 [17.092-22.305]  28.5             87%   6.25x        27
+    (b) 8da8w            135.3     5.826 [5.176-6.205]  23.2             71%   1.93x       124
+    (c) 8da4w g32         75.6     3.021 [2.825-3.464]  25.0             73%   1.00x       124
+    (d) 8da4w g192        68.6     2.985 [2.630-3.942]  23.0             67%   0.99x       128
+
+    the 8da4w g32 step built up from its linears
+    program                weights MB              ms/call  GB/s  % of bandwidth  ms over above  ms/(c)  export s
+    (c) 8da4w g32                75.6  3.021 [2.825-3.464]  25.0             73%              -   1.00x       124
+    (e) + RMSNorm                75.6  3.421 [2.969-7.277]  22.1             59%         +0.481   1.13x       156
+    (f) + attention              75.6  4.983 [4.885-5.670]  15.2             45%         +1.581   1.65x       203
+    (g) etblocks' program        75.6  5.874 [5.427-7.226]  12.9             38%         +0.989   1.94x       310
+
+Reading: the int4 linears alone read their weights at ~73% of the bandwidth, and g192's 9% fewer bytes buy
+nothing: at one token the kernels are not bound by the bytes alone. Everything else of the step costs about as
+much again, paid per operator rather than per byte: 60 RMSNorms (~6 small XNNPACK operators each) 0.48 ms; the
+attention 1.58 ms, ~53 us per layer, against ~10 us for a `llama::custom_sdpa` call alone over hot caches; the
+embedding, transformers' layer code and the token input another ~1 ms. fp32's 7x more bytes hide the same costs
+(87% for its linears). The host swings these figures by +-20% from run to run (an earlier (c) program timed 3.0 ms
+alone and 4.7 ms among other programs), so compare rows within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from decode import (  # benchmarks/ is not a package: Python puts this script's folder first on sys.path
+    Bench,
+    Row as DecodeRow,
+    Shape,
+    _paired_median,
+    aligned_table,
+    build_hf_model,
+    export_with_etblocks,
+    load_method,
+    lower_to_xnnpack,
+    measure_read_bandwidth,
+)
+from quant import GROUP_SIZE, linear_bytes
+
+from etblocks.attention import Attention, CustomSDPA
+from etblocks.attention.rope import RotaryEmbedding, default_inv_freq
+from etblocks.export.weights import WeightQuantization
+from etblocks.kv_cache import StaticKVCache
+
+START_POS = 64  # quant.py's prompt length: decode reads about as many cached positions
+
+
+@dataclass(frozen=True)
+class Part:
+    """One program: the weight scheme (`etblocks.export`'s `quantize`, `group_size`; None: fp32) and what it holds
+    besides the linears."""
+
+    key: str
+    name: str
+    quantize: str | None = None
+    group_size: int | None = None
+    norms: bool = False
+    attention: bool = False
+    etblocks_program: bool = False
+
+
+G32 = dict(quantize="8da4w", group_size=32)
+SCHEME_PARTS = (
+    Part("a", "fp32"),
+    Part("b", "8da8w", "8da8w"),
+    Part("c", "8da4w g32", **G32),
+    Part("d", "8da4w g192", "8da4w", 192),
+)
+STEP_PARTS = (
+    Part("e", "+ RMSNorm", norms=True, **G32),
+    Part("f", "+ attention", norms=True, attention=True, **G32),
+    Part("g", "etblocks' program", etblocks_program=True, **G32),
+)
+REFERENCE_KEY = "c"
+
+
+class DecoderParts(nn.Module):
+    """`layers` decoder layers of the benchmark shape and an lm_head, with or without RMSNorms and attention.
+    `forward(x [1, 1, hidden], input_pos [1]) -> logits [1, 1, vocab]`."""
+
+    def __init__(self, shape: Shape, norms: bool, attention: bool) -> None:
+        super().__init__()
+        names = ("q", "k", "v", "o", "gate", "up", "down")
+        self.layers = nn.ModuleList()
+        for _ in range(shape.layers):
+            layer = nn.ModuleDict({name: nn.Linear(i, o, bias=False) for name, (o, i) in zip(names, shape.linear_shapes())})
+            if norms:
+                layer["attention_norm"] = nn.RMSNorm(shape.hidden, eps=shape.norm_eps)
+                layer["mlp_norm"] = nn.RMSNorm(shape.hidden, eps=shape.norm_eps)
+            if attention:  # the projections move into the block (one owner each, so quantize_ sees them once)
+                layer["attention"] = Attention(
+                    shape.heads, shape.kv_heads, shape.head_dim, CustomSDPA(shape.head_dim**-0.5),
+                    StaticKVCache(1, shape.max_seq_len, shape.kv_heads, shape.head_dim, use_custom_op=True),
+                    *(layer.pop(name) for name in ("q", "k", "v", "o")),
+                    rope=RotaryEmbedding(default_inv_freq(shape.head_dim, shape.rope_theta)),
+                )
+            self.layers.append(layer)
+        self.lm_head = nn.Linear(shape.hidden, shape.vocab, bias=False)
+
+    def forward(self, x: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            h = layer["attention_norm"](x) if "attention_norm" in layer else x
+            if "attention" in layer:
+                x = x + layer["attention"](h, input_pos)
+            else:
+                x = x + layer["o"](layer["q"](h) + torch.cat((layer["k"](h), layer["v"](h), layer["k"](h)), dim=-1))
+            h = layer["mlp_norm"](x) if "mlp_norm" in layer else x
+            x = x + layer["down"](nn.functional.silu(layer["gate"](h)) * layer["up"](h))
+        return self.lm_head(x)
+
+
+@dataclass
+class Program:
+    part: Part
+    mb: float
+    export_s: float
+    call: Callable[[int], object]  # position -> run the program once at it
+    ms_runs: list[float] = field(default_factory=list)
+
+    @property
+    def ms(self) -> float:
+        return statistics.median(self.ms_runs)
+
+
+def weight_megabytes(shape: Shape, part: Part) -> float:
+    """MB of linear weights (every layer and the lm_head) one call reads, quantized as the part says."""
+    group_size = part.group_size or GROUP_SIZE
+    layer = sum(linear_bytes(out_features, in_features, part.quantize, group_size)
+                for out_features, in_features in shape.linear_shapes())
+    return (shape.layers * layer + linear_bytes(shape.vocab, shape.hidden, part.quantize, group_size)) / 1e6
+
+
+def build(part: Part, shape: Shape, seed: int, out_dir: Path) -> Program:
+    """Export the part's program and load it."""
+    start = time.perf_counter()
+    if part.etblocks_program:
+        bench = Bench(shape, [1] * START_POS, 1, 1, out_dir, seed, init_range=0.1)
+        export = {"quantize": part.quantize, "group_size": part.group_size}
+        driver, _ = export_with_etblocks(bench, DecodeRow(part.key, part.name), build_hf_model, f"{part.key}.pte",
+                                         export_options=export)
+        method = driver.method
+        token = torch.tensor([[1]], dtype=torch.long)
+        call = lambda pos: method.execute([token, torch.tensor([pos], dtype=torch.long)])  # noqa: E731
+    else:
+        from torchao.quantization import quantize_
+
+        torch.manual_seed(seed)
+        model = DecoderParts(shape, part.norms, part.attention).eval()
+        if part.quantize is not None:
+            quantize_(model, WeightQuantization(part.quantize, part.group_size).linear_config(),
+                      filter_fn=lambda module, fqn: isinstance(module, nn.Linear))
+        x = torch.randn(1, 1, shape.hidden)
+        with torch.no_grad():
+            exported = torch.export.export(model, (x, torch.tensor([START_POS])))
+        path = out_dir / f"{part.key}.pte"
+        lower_to_xnnpack(exported, path)
+        method = load_method(path)
+        call = lambda pos: method.execute([x, torch.tensor([pos], dtype=torch.long)])  # noqa: E731
+    program = Program(part, weight_megabytes(shape, part), time.perf_counter() - start, call)
+    print(f"[step breakdown] ({part.key}) {part.name}: exported in {program.export_s:.0f} s", file=sys.stderr, flush=True)
+    return program
+
+
+def time_calls(program: Program, calls: int) -> float:
+    """ms per call over `calls` calls at positions START_POS on, after five untimed ones just before them."""
+    for pos in range(START_POS - 5, START_POS):
+        program.call(pos)
+    start = time.perf_counter()
+    for pos in range(START_POS, START_POS + calls):
+        program.call(pos)
+    return (time.perf_counter() - start) / calls * 1e3
+
+
+def table(programs: Sequence[Program], bandwidths: Sequence[float], reference: Program, increments: bool) -> str:
+    lines = []
+    for index, p in enumerate(programs):
+        share = _paired_median([p.mb / ms for ms in p.ms_runs], [b / 1e9 for b in bandwidths])  # MB/ms = GB/s
+        spread = f"{p.ms:.3f} [{min(p.ms_runs):.3f}-{max(p.ms_runs):.3f}]"
+        cells = [f"({p.part.key}) {p.part.name}", f"{p.mb:.1f}", spread, f"{p.mb / p.ms:.1f}", f"{100 * share:.0f}%"]
+        if increments:
+            previous = programs[index - 1] if index else None
+            cells.append("-" if previous is None else
+                         f"{statistics.median(a - b for a, b in zip(p.ms_runs, previous.ms_runs)):+.3f}")
+        lines.append([*cells, f"{p.ms / reference.ms:.2f}x", f"{p.export_s:.0f}"])
+    headers = ["program", "weights MB", "ms/call", "GB/s", "% of bandwidth", *(["ms over above"] if increments else []),
+               f"ms/({REFERENCE_KEY})", "export s"]
+    return aligned_table(headers, lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=30, help="decoder layers (2 for a smoke run)")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved timed rounds; medians are reported")
+    parser.add_argument("--calls", type=int, default=64, help="timed calls per program per round")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    shape = Shape(layers=args.layers)
+    if START_POS + args.calls > shape.max_seq_len:
+        raise SystemExit(f"--calls {args.calls}: positions from {START_POS} must stay below the context "
+                         f"{shape.max_seq_len}")
+    with tempfile.TemporaryDirectory(prefix="etblocks_step_breakdown_") as out_dir:
+        programs = [build(part, shape, args.seed, Path(out_dir)) for part in (*SCHEME_PARTS, *STEP_PARTS)]
+        bandwidths = []
+        for round_index in range(args.rounds):
+            for program in programs:
+                program.ms_runs.append(time_calls(program, args.calls))
+            bandwidths.append(measure_read_bandwidth(reps=2))
+            print(f"[step breakdown] round {round_index + 1}/{args.rounds}: "
+                  + ", ".join(f"({p.part.key}) {p.ms_runs[-1]:.3f} ms" for p in programs)
+                  + f"; read bandwidth {bandwidths[-1] / 1e9:.1f} GB/s", file=sys.stderr, flush=True)
+    from executorch.extension.pybindings.portable_lib import _threadpool_get_thread_count
+
+    by_key = {p.part.key: p for p in programs}
+    reference = by_key[REFERENCE_KEY]
+    gb = [b / 1e9 for b in bandwidths]
+    print(f"\nOne decode token through {shape.layers} layers of the SmolLM2-135M shape (hidden {shape.hidden}, "
+          f"{shape.heads}/{shape.kv_heads} heads, intermediate {shape.intermediate}) and the lm_head ({shape.vocab} x "
+          f"{shape.hidden}), XNNPACK; {args.rounds} interleaved rounds of {args.calls} calls at positions "
+          f"{START_POS}-{START_POS + args.calls - 1}, medians [min-max]; {_threadpool_get_thread_count()} ExecuTorch "
+          "threads")
+    print(f"read bandwidth {statistics.median(gb):.1f} GB/s [{min(gb):.1f}-{max(gb):.1f}] (torch.sum over 1 GB of "
+          "random fp32, sampled every round)\n")
+    print("linears alone, per weight scheme")
+    print(table([by_key[p.key] for p in SCHEME_PARTS], bandwidths, reference, increments=False))
+    print("\nthe 8da4w g32 step built up from its linears")
+    print(table([reference, *(by_key[p.key] for p in STEP_PARTS)], bandwidths, reference, increments=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
