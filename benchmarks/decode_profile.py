@@ -50,9 +50,9 @@ this shared host):
 
 Reading: both programs decode at the same speed. The profile's absolute split does not hold up unprofiled
 (`step_breakdown.py`, 2026-12-01): the XNNPACK operators do not read the weights at ~94% of the bandwidth; the
-linears alone, as one program, read them at ~73% (3.0 ms), and the rest of the step is paid per operator: the
-RMSNorms add 0.48 ms (60 norms of ~6 small XNNPACK operators each) and the attention (rope, the
-`llama::update_cache` writes, `llama::custom_sdpa`, one delegate per layer) 1.58 ms, ~53 us per layer. fp32 reads
+linears alone, as one program, read them at ~83% (2.5 ms), and the rest of the step is paid per operator: the
+RMSNorms add 0.55 ms (60 norms of ~6 small XNNPACK operators each) and the attention (rope, the
+`llama::update_cache` writes, `llama::custom_sdpa`, one delegate per layer) 1.28 ms, ~43 us per layer. fp32 reads
 6.8x the bytes for the same per-operator costs, hence its ~80% of roofline. ExecuTorch's own program makes 123
 delegate calls per step (its RMSNorm's mean and some slices run on CPU) and profiles slower, but times the same
 unprofiled.

@@ -13,7 +13,8 @@ down) and the lm_head, called with `x [1, 1, hidden]` and its position. Rows:
     b  8da8w       int8 weights per output channel, int8 dynamic activations
     c  8da4w g32   int4 weights in groups of 32 (`etblocks.export(quantize="8da4w")`'s default)
     d  8da4w g192  groups of 192, the largest dividing both 576 and 1536: 9% fewer bytes than g32
-  the 8da4w g32 step built up from (c):
+  the 8da4w g32 step built up from (c), lowered after the graph rewrites `etblocks.export` applies for XNNPACK (its
+  RMSNorms stay inside the delegate):
     e  + RMSNorm   before the attention and the MLP, as in Llama
     f  + attention  etblocks' `Attention` instead of `o(q(x) + ...)`: rope, `StaticKVCache` written by
                    `llama::update_cache`, `CustomSDPA` (`llama::custom_sdpa`), as `swap(backend="xnnpack")` builds it;
@@ -31,30 +32,30 @@ the most an 8da4w step with these kernels can reach here.
     python benchmarks/step_breakdown.py                    # 30 layers: seven exports (~16 min), then timing
     python benchmarks/step_breakdown.py --layers 2 --rounds 2 --calls 10   # smoke run, ~2 min
 
-Full default run (etblocks 683bfcd + this script, this project's 2-core machine, 21 min; read bandwidth 33.3 GB/s,
-median of the rounds [29.9-49.6]):
+Full default run (etblocks 3bce177 + the graph rewrites above, this project's 2-core machine, 21 min; read bandwidth
+36.0 GB/s, median of the rounds [35.5-36.6]):
 
     linears alone, per weight scheme
     program         weights MB                 ms/call  GB/s  % of bandwidth  ms/(c)  export s
-    (a) fp32             537.9  18.879 [17.092-22.305]  28.5             87%   6.25x        27
-    (b) 8da8w            135.3     5.826 [5.176-6.205]  23.2             71%   1.93x       124
-    (c) 8da4w g32         75.6     3.021 [2.825-3.464]  25.0             73%   1.00x       124
-    (d) 8da4w g192        68.6     2.985 [2.630-3.942]  23.0             67%   0.99x       128
+    (a) fp32             537.9  16.511 [16.458-17.254]  32.6             90%   6.55x        28
+    (b) 8da8w            135.3     4.969 [4.575-5.377]  27.2             76%   1.97x       120
+    (c) 8da4w g32         75.6     2.521 [2.439-2.709]  30.0             83%   1.00x       119
+    (d) 8da4w g192        68.6     2.337 [2.283-2.631]  29.4             82%   0.93x       117
 
     the 8da4w g32 step built up from its linears
     program                weights MB              ms/call  GB/s  % of bandwidth  ms over above  ms/(c)  export s
-    (c) 8da4w g32                75.6  3.021 [2.825-3.464]  25.0             73%              -   1.00x       124
-    (e) + RMSNorm                75.6  3.421 [2.969-7.277]  22.1             59%         +0.481   1.13x       156
-    (f) + attention              75.6  4.983 [4.885-5.670]  15.2             45%         +1.581   1.65x       203
-    (g) etblocks' program        75.6  5.874 [5.427-7.226]  12.9             38%         +0.989   1.94x       310
+    (c) 8da4w g32                75.6  2.521 [2.439-2.709]  30.0             83%              -   1.00x       119
+    (e) + RMSNorm                75.6  3.047 [2.864-3.445]  24.8             68%         +0.546   1.21x       140
+    (f) + attention              75.6  4.211 [4.062-4.618]  18.0             50%         +1.276   1.67x       169
+    (g) etblocks' program        75.6  4.581 [4.276-5.021]  16.5             46%         +0.262   1.82x       294
 
-Reading: the int4 linears alone read their weights at ~73% of the bandwidth, and g192's 9% fewer bytes buy
-nothing: at one token the kernels are not bound by the bytes alone. Everything else of the step costs about as
-much again, paid per operator rather than per byte: 60 RMSNorms (~6 small XNNPACK operators each) 0.48 ms; the
-attention 1.58 ms, ~53 us per layer, against ~10 us for a `llama::custom_sdpa` call alone over hot caches; the
-embedding, transformers' layer code and the token input another ~1 ms. fp32's 7x more bytes hide the same costs
-(87% for its linears). The host swings these figures by +-20% from run to run (an earlier (c) program timed 3.0 ms
-alone and 4.7 ms among other programs), so compare rows within one run.
+Reading: the int4 linears alone read their weights at ~83% of the bandwidth, and g192's 9% fewer bytes buy only
+0.93x: at one token the kernels are not bound by the bytes alone. The rest of the step costs 0.8x as much again,
+paid per operator rather than per byte: 60 RMSNorms (~6 small XNNPACK operators each) 0.55 ms; the attention 1.28
+ms, ~43 us per layer (rope, two `llama::update_cache` writes, `llama::custom_sdpa`, one delegate per layer); the
+embedding, transformers' layer code and the token input 0.26 ms. fp32's 7x more bytes hide the same costs (90% for
+its linears). The host swings these figures by +-20% from run to run (an earlier run without the graph rewrites,
+bandwidth 33.3 GB/s, timed (c) at 3.02 ms and (g) at 5.87 ms), so compare rows within one run.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ from quant import GROUP_SIZE, linear_bytes
 
 from etblocks.attention import Attention, CustomSDPA
 from etblocks.attention.rope import RotaryEmbedding, default_inv_freq
+from etblocks.export.passes import BACKEND_PASSES
 from etblocks.export.weights import WeightQuantization
 from etblocks.kv_cache import StaticKVCache
 
@@ -200,6 +202,8 @@ def build(part: Part, shape: Shape, seed: int, out_dir: Path) -> Program:
         x = torch.randn(1, 1, shape.hidden)
         with torch.no_grad():
             exported = torch.export.export(model, (x, torch.tensor([START_POS])))
+        for rewrite in BACKEND_PASSES["xnnpack"]:  # as etblocks.export lowers: the RMSNorms stay in the delegate
+            rewrite(exported)
         path = out_dir / f"{part.key}.pte"
         lower_to_xnnpack(exported, path)
         method = load_method(path)
