@@ -190,11 +190,11 @@ def linear_bytes(out_features: int, in_features: int, quantize: str | None, grou
     raise ValueError(f"no byte count for quantize={quantize!r}")
 
 
-def weight_bytes_per_token(shape: Shape, option: Option) -> float:
-    """Linear weights (every layer) plus the lm_head, quantized as the option says."""
-    layer = sum(linear_bytes(out_features, in_features, option.quantize) for out_features, in_features in
+def weight_bytes_per_token(shape: Shape, quantize: str | None, group_size: int = GROUP_SIZE) -> float:
+    """Linear weights (every layer) plus the lm_head, quantized as `quantize` (`group_size`: 8da4w's groups) says."""
+    layer = sum(linear_bytes(out_features, in_features, quantize, group_size) for out_features, in_features in
                 shape.linear_shapes())
-    return shape.layers * layer + linear_bytes(shape.vocab, shape.hidden, option.quantize)
+    return shape.layers * layer + linear_bytes(shape.vocab, shape.hidden, quantize, group_size)
 
 
 @torch.no_grad()
@@ -211,7 +211,7 @@ def kv_bytes_per_position(bench: Bench, option: Option) -> float:
 def bytes_per_token(bench: Bench, option: Option) -> float:
     """What one timed decode step reads on average: weights plus the cached positions (module docstring)."""
     mean_positions = len(bench.prompt) + (bench.decode_steps + 1) / 2
-    return weight_bytes_per_token(bench.shape, option) + kv_bytes_per_position(bench, option) * mean_positions
+    return weight_bytes_per_token(bench.shape, option.quantize) + kv_bytes_per_position(bench, option) * mean_positions
 
 
 # --------------------------------------------------------------------------------------------------

@@ -77,6 +77,7 @@ from decode import (  # benchmarks/ is not a package: Python puts this script's 
     Row as DecodeRow,
     Shape,
     _paired_median,
+    _spread,
     aligned_table,
     build_hf_model,
     export_with_etblocks,
@@ -84,7 +85,7 @@ from decode import (  # benchmarks/ is not a package: Python puts this script's 
     lower_to_xnnpack,
     measure_read_bandwidth,
 )
-from quant import GROUP_SIZE, linear_bytes
+from quant import GROUP_SIZE, weight_bytes_per_token
 
 from etblocks.attention import Attention, CustomSDPA
 from etblocks.attention.rope import RotaryEmbedding, default_inv_freq
@@ -172,14 +173,6 @@ class Program:
         return statistics.median(self.ms_runs)
 
 
-def weight_megabytes(shape: Shape, part: Part) -> float:
-    """MB of linear weights (every layer and the lm_head) one call reads, quantized as the part says."""
-    group_size = part.group_size or GROUP_SIZE
-    layer = sum(linear_bytes(out_features, in_features, part.quantize, group_size)
-                for out_features, in_features in shape.linear_shapes())
-    return (shape.layers * layer + linear_bytes(shape.vocab, shape.hidden, part.quantize, group_size)) / 1e6
-
-
 def build(part: Part, shape: Shape, seed: int, out_dir: Path) -> Program:
     """Export the part's program and load it."""
     start = time.perf_counter()
@@ -208,7 +201,8 @@ def build(part: Part, shape: Shape, seed: int, out_dir: Path) -> Program:
         lower_to_xnnpack(exported, path)
         method = load_method(path)
         call = lambda pos: method.execute([x, torch.tensor([pos], dtype=torch.long)])  # noqa: E731
-    program = Program(part, weight_megabytes(shape, part), time.perf_counter() - start, call)
+    mb = weight_bytes_per_token(shape, part.quantize, part.group_size or GROUP_SIZE) / 1e6
+    program = Program(part, mb, time.perf_counter() - start, call)
     print(f"[step breakdown] ({part.key}) {part.name}: exported in {program.export_s:.0f} s", file=sys.stderr, flush=True)
     return program
 
@@ -227,8 +221,8 @@ def table(programs: Sequence[Program], bandwidths: Sequence[float], reference: P
     lines = []
     for index, p in enumerate(programs):
         share = _paired_median([p.mb / ms for ms in p.ms_runs], [b / 1e9 for b in bandwidths])  # MB/ms = GB/s
-        spread = f"{p.ms:.3f} [{min(p.ms_runs):.3f}-{max(p.ms_runs):.3f}]"
-        cells = [f"({p.part.key}) {p.part.name}", f"{p.mb:.1f}", spread, f"{p.mb / p.ms:.1f}", f"{100 * share:.0f}%"]
+        cells = [f"({p.part.key}) {p.part.name}", f"{p.mb:.1f}", _spread(p.ms_runs, ".3f"), f"{p.mb / p.ms:.1f}",
+                 f"{100 * share:.0f}%"]
         if increments:
             previous = programs[index - 1] if index else None
             cells.append("-" if previous is None else
