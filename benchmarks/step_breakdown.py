@@ -89,7 +89,7 @@ from quant import GROUP_SIZE, weight_bytes_per_token
 
 from etblocks.attention import Attention, CustomSDPA
 from etblocks.attention.rope import RotaryEmbedding, default_inv_freq
-from etblocks.export.passes import BACKEND_PASSES
+from etblocks.export.passes import apply_backend_passes
 from etblocks.export.weights import WeightQuantization
 from etblocks.kv_cache import StaticKVCache
 
@@ -195,8 +195,7 @@ def build(part: Part, shape: Shape, seed: int, out_dir: Path) -> Program:
         x = torch.randn(1, 1, shape.hidden)
         with torch.no_grad():
             exported = torch.export.export(model, (x, torch.tensor([START_POS])))
-        for rewrite in BACKEND_PASSES["xnnpack"]:  # as etblocks.export lowers: the RMSNorms stay in the delegate
-            rewrite(exported)
+        apply_backend_passes(exported, "xnnpack")  # as etblocks.export lowers: the RMSNorms stay in the delegate
         path = out_dir / f"{part.key}.pte"
         lower_to_xnnpack(exported, path)
         method = load_method(path)

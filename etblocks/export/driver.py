@@ -25,7 +25,7 @@ from etblocks.export.adapters import (
 )
 from etblocks.export.backends import get_backend, partitioners_for
 from etblocks.export.delegation import DelegationSummary, summarize
-from etblocks.export.passes import BACKEND_PASSES
+from etblocks.export.passes import apply_backend_passes
 from etblocks.export.hybrid import attention_on_cpu
 from etblocks.export.programs import dynamic_program, static_program
 
@@ -117,8 +117,7 @@ def export(
     )
     quantize = quantize or (str(weights) if weights else None)
     for ep in exported.values():
-        for rewrite in BACKEND_PASSES.get(backend, []):
-            rewrite(ep)
+        apply_backend_passes(ep, backend)
     seconds = {"export": time.perf_counter() - start}
 
     start = time.perf_counter()

@@ -91,3 +91,9 @@ def mean_over_last_dim_as_pooling(exported: torch.export.ExportedProgram) -> int
 
 # Core ML, OpenVINO and QNN take rms_norm as it decomposes (QNN has its own RmsNorm op): no rewrite for them.
 BACKEND_PASSES = {"xnnpack": [rms_norm_as_primitives, mean_over_last_dim_as_pooling], "vulkan": [rms_norm_as_primitives]}
+
+
+def apply_backend_passes(exported: torch.export.ExportedProgram, backend: str) -> None:
+    """Rewrite `exported` in place with `backend`'s passes (none for a backend without any), before lowering."""
+    for rewrite in BACKEND_PASSES.get(backend, []):
+        rewrite(exported)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from etblocks.export.delegation import summarize
-from etblocks.export.passes import mean_over_last_dim_as_pooling, rms_norm_as_primitives
+from etblocks.export.passes import apply_backend_passes, rms_norm_as_primitives
 
 
 class Norms(torch.nn.Module):
@@ -47,11 +47,17 @@ def test_rms_norm_rewrite_lets_xnnpack_take_the_norms(rewrite):
 
     exported = _exported(Norms().eval(), torch.randn(1, 7, 16))
     if rewrite:
-        rms_norm_as_primitives(exported)
-        mean_over_last_dim_as_pooling(exported)
+        apply_backend_passes(exported, "xnnpack")  # what etblocks.export runs before lowering to XNNPACK
     lowered = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])
     summary = summarize(lowered.exported_program().graph_module)
     if rewrite:
         assert len(summary.partitions) == 1 and summary.n_cpu_ops == 0, summary
     else:
         assert summary.cpu_ops["aten.add.Scalar"] == 2 and summary.cpu_ops["aten.mean.dim"] == 2, summary
+
+
+def test_backends_without_rewrites_keep_the_norm_whole():
+    """Core ML, OpenVINO and QNN take rms_norm as it decomposes: their programs are left as exported."""
+    exported = _exported(Norms().eval(), torch.randn(1, 7, 16))
+    apply_backend_passes(exported, "openvino")
+    assert sum(n.target == torch.ops.aten.rms_norm.default for n in exported.graph.nodes) == 2
