@@ -41,6 +41,8 @@ from typing import Any, Protocol
 
 import torch
 
+from etblocks.export.runner import greedy_token, run_method
+
 # --------------------------------------------------------------------------------------------------
 # Shape, settings and results
 
@@ -176,8 +178,6 @@ def pte_megabytes(*paths: Path) -> float:
 def argmax_last(logits: torch.Tensor) -> int:
     """Greedy token from logits shaped [..., vocab] (the last position if there are several), as etblocks' Runner
     picks it (numpy's argmax: torch's costs ~3% of a 4-bit decode step at this shape)."""
-    from etblocks.export.runner import greedy_token
-
     return greedy_token(logits.reshape(-1, logits.shape[-1])[-1])
 
 
@@ -266,7 +266,7 @@ class TokensPosDriver:
 
     def _step(self, tokens: list[int], pos: int) -> int:
         ids = torch.tensor([tokens], dtype=torch.long)
-        (logits,) = self.method.execute([ids, torch.tensor([pos], dtype=torch.long)])
+        (logits,) = run_method(self.method, [ids, torch.tensor([pos], dtype=torch.long)])
         return argmax_last(logits)
 
     def prefill(self, prompt: list[int]) -> int:
@@ -297,14 +297,14 @@ class GenerationExportDriver:
         ids = torch.tensor([prompt], dtype=torch.long)
         positions = torch.arange(len(prompt), dtype=torch.long)[None]
         write_pointers = [torch.tensor(0, dtype=torch.long) for _ in range(self.layers)]
-        outputs = self.prefill_method.execute([ids, positions, *write_pointers])
+        outputs = run_method(self.prefill_method, [ids, positions, *write_pointers])
         logits, *self.cache = outputs[-self.prefill_leaves :]
         return argmax_last(logits)
 
     def decode(self, token: int, pos: int) -> int:
         mask = (torch.arange(self.max_cache_len) <= pos)[None, None, None]
         inputs = [torch.tensor([[token]], dtype=torch.long), mask, torch.tensor([[pos]], dtype=torch.long)]
-        outputs = self.decode_method.execute([*inputs, *self.cache])
+        outputs = run_method(self.decode_method, [*inputs, *self.cache])
         logits, *self.cache = outputs[-self.decode_leaves :]
         return argmax_last(logits)
 

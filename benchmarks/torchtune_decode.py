@@ -69,6 +69,7 @@ from decode import (  # benchmarks/ is not a package: Python puts this script's 
 )
 
 from etblocks.export.delegation import DelegationSummary, summarize  # noqa: E402
+from etblocks.export.runner import run_method  # noqa: E402
 from etblocks.torchtune_compat import import_torchtune  # noqa: E402
 
 import_torchtune()  # torchtune 0.6.1 needs the torchao NF4 alias in place before anything imports it
@@ -204,7 +205,7 @@ class InferenceMHADriver(CausalMaskDriver):
         self.method = load_method(self.path)
 
     def _logits(self, tokens: torch.Tensor, input_pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.method.execute([tokens, input_pos, mask])[0]
+        return run_method(self.method, [tokens, input_pos, mask])[0]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
+import numpy
 import torch
 
 from etblocks.adapters.files import read_adapter_file
@@ -32,7 +33,7 @@ class DynamicDriver:
         logits = None
         for start in range(0, len(tokens), self.max_seq_len):
             chunk = torch.tensor([list(tokens[start : start + self.max_seq_len])], dtype=torch.long)
-            logits = self.method.execute([chunk, torch.tensor([self.pos], dtype=torch.long)])[0]
+            logits = run_method(self.method, [chunk, torch.tensor([self.pos], dtype=torch.long)])[0]
             self.pos += chunk.shape[1]
         return logits.reshape(-1, logits.shape[-1])[-1]
 
@@ -77,7 +78,7 @@ class Runner:
         if CONTRACT_METHOD in methods:
             self.contract = StaticContract.from_constant(self.program.load_method(CONTRACT_METHOD).execute([]))
             loaded = {name: self.program.load_method(name) for name in self.contract.methods}
-            self._driver = StaticDriver(self.contract, lambda name, inputs: loaded[name].execute(inputs), decode_tail)
+            self._driver = StaticDriver(self.contract, lambda name, inputs: run_method(loaded[name], inputs), decode_tail)
         elif "forward" in methods and "get_max_seq_len" in methods:
             max_seq_len = int(self._constant("get_max_seq_len"))
             max_context_len = int(self._constant("get_max_context_len", max_seq_len))
@@ -207,6 +208,32 @@ class Runner:
                 self._unfed = [token]
                 return new_tokens
             logits = self.forward([token])
+
+
+def run_method(method: Any, inputs: Sequence[Any]) -> list[Any]:
+    """`method.execute(inputs)` (an `executorch.runtime.Method`) with its output tensors copied by numpy, on this
+    thread.
+
+    The runtime's own copy of the outputs is a torch clone, and torch copies more than 32768 elements (the logits
+    of any real vocabulary) on its OpenMP threads, which then spin for milliseconds on the cores ExecuTorch's
+    thread pool needs for the next call: a 4-bit SmolLM2-135M decode step took 8.7 ms instead of 6.2 ms on this
+    project's 2-core machine (`benchmarks/quant.py`). The copy stays, since outputs live in memory the program
+    reuses on its next call.
+    """
+    outputs = method._method(inputs, clone_outputs=False)  # the switch Method.execute does not pass on
+    return [copy_tensor(out) if isinstance(out, torch.Tensor) else out for out in outputs]
+
+
+def copy_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of `tensor` made by numpy on this thread, whatever its dtype (copied as bytes)."""
+    copy = torch.empty(tensor.shape, dtype=tensor.dtype)
+    numpy.copyto(_bytes(copy), _bytes(tensor.detach().contiguous()))
+    return copy
+
+
+def _bytes(tensor: torch.Tensor):
+    """The bytes of a contiguous tensor as a numpy array that shares its memory."""
+    return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
 def greedy_token(logits: torch.Tensor) -> int:

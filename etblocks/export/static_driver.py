@@ -109,7 +109,7 @@ class StaticDriver:
         if self.contract.cache == "inplace":
             logits = self.execute(method, [padded, torch.tensor([self.pos], dtype=torch.long), *self.adapter_inputs])[0]
             self.pos += n
-            return logits.reshape(-1).clone()
+            return logits.reshape(-1)
         positions = torch.arange(self.pos, self.pos + width).unsqueeze(0)
         dtype, fill = self.contract.torch_dtype, self.contract.mask_value
         masks = [group_mask(group, self.pos, width, dtype, fill) for group in self.contract.groups]
@@ -117,7 +117,7 @@ class StaticDriver:
         for (layer, _), cache, rows in zip(self.contract.cache_tensors(), self.caches, outputs[1:]):
             self._write(self.contract.group(self.contract.layers[layer].group), cache, rows[:, :n])
         self.pos += n
-        return outputs[0][0, n - 1].clone()
+        return outputs[0][0, n - 1]
 
     def _write(self, group: CacheGroup, cache: torch.Tensor, rows: torch.Tensor) -> None:
         """Store the new rows `[1, n, Hkv, D]` of positions `pos .. pos + n - 1` in their cache rows."""
