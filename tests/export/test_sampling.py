@@ -54,11 +54,12 @@ def test_sampling_follows_the_nucleus_distribution(top_p):
 
 
 @pytest.mark.parametrize(
-    "vocab,scale,top_p,grows", [(49152, 1.0, 0.9, True), (49152, 8.0, 0.9, False), (5000, 0.1, 0.5, True), (100, 0.5, 0.99, True)]
+    "vocab,scale,top_p,beyond_first_k",
+    [(49152, 1.0, 0.9, True), (49152, 8.0, 0.9, False), (5000, 0.1, 0.5, True), (1000, 0.5, 0.99, True), (100, 0.5, 0.99, False)],
 )
-def test_nucleus_is_the_sorted_definition(vocab, scale, top_p, grows):
-    """The nucleus found among the top k, k growing, is the whole-vocabulary sort's: small ones inside the first
-    k, large ones (flat logits) after several growths."""
+def test_nucleus_is_the_sorted_definition(vocab, scale, top_p, beyond_first_k):
+    """The nucleus is the whole-vocabulary sort's: small ones found among the first k tokens, large ones (flat
+    logits) through the sort of the probabilities."""
     from etblocks.export.runner import NUCLEUS_FIRST_K, _nucleus
 
     logits = torch.randn(vocab, generator=torch.Generator().manual_seed(vocab)) * scale
@@ -66,8 +67,19 @@ def test_nucleus_is_the_sorted_definition(vocab, scale, top_p, grows):
     expected = nucleus_reference(probs, top_p)
     kept_probs, tokens = _nucleus(probs.numpy(), top_p)
     assert set(tokens.tolist()) == set(expected)  # the same tokens (equal probabilities may come in any order)
-    assert (kept_probs[:-1] >= kept_probs[1:]).all()  # most likely first
-    assert (len(expected) > NUCLEUS_FIRST_K) == grows
+    assert (kept_probs == probs.numpy()[tokens]).all()
+    assert (len(expected) > NUCLEUS_FIRST_K) == beyond_first_k
+
+
+@pytest.mark.parametrize("vocab", [100, 1000])
+def test_nucleus_of_tied_probabilities_takes_the_first_tokens(vocab):
+    """A uniform distribution: the nucleus holds the first tokens by id, as a stable sort orders the tied."""
+    from etblocks.export.runner import _nucleus
+
+    probs = torch.full((vocab,), 1.0 / vocab)
+    expected = nucleus_reference(probs, 0.5003)
+    _, tokens = _nucleus(probs.numpy(), 0.5003)
+    assert sorted(tokens.tolist()) == sorted(expected) == list(range(len(expected)))
 
 
 def test_seeded_sampling_repeats():
