@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import gc
+import multiprocessing
+import pickle
 import shutil
 import statistics
 import sys
@@ -41,7 +43,7 @@ from typing import Any, Protocol
 
 import torch
 
-from etblocks.export.runner import greedy_token, run_method
+from etblocks.export.runner import greedy_token, load_kernels, run_method
 
 # --------------------------------------------------------------------------------------------------
 # Shape, settings and results
@@ -182,12 +184,12 @@ def argmax_last(logits: torch.Tensor) -> int:
 
 
 def load_method(path: Path, name: str = "forward", **program_options: Any) -> Any:
-    """Load one method of a .pte with the Python ExecuTorch runtime (llama custom ops registered). The method
-    keeps a reference to its program: a method whose program was freed fails intermittently at run time.
-    `program_options` go to `Runtime.load_program` (e.g. `enable_etdump=True`)."""
-    import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (llama::custom_sdpa, update_cache)
+    """Load one method of a .pte with the Python ExecuTorch runtime (with the kernels etblocks' Runner registers).
+    The method keeps a reference to its program: a method whose program was freed fails intermittently at run
+    time. `program_options` go to `Runtime.load_program` (e.g. `enable_etdump=True`)."""
     from executorch.runtime import Runtime
 
+    load_kernels()
     program = Runtime.get().load_program(Path(path), **program_options)
     method = program.load_method(name)
     method.etblocks_program = program
@@ -256,7 +258,25 @@ def time_round(driver: Driver, bench: Bench, warm_prefill: bool = False) -> tupl
 # Drivers
 
 
-class TokensPosDriver:
+class RebuiltWhenPickled:
+    """Base of the drivers that pickle as their constructor call (the files to load, or a seeded model builder),
+    so that `time_in_fresh_process` builds them anew in its own process instead of copying loaded programs."""
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        driver = super().__new__(cls)
+        driver._construction = (args, kwargs)
+        return driver
+
+    def __reduce__(self):
+        args, kwargs = self._construction
+        return _construct, (type(self), args, kwargs)
+
+
+def _construct(cls: type, args: tuple, kwargs: dict) -> Any:
+    return cls(*args, **kwargs)
+
+
+class TokensPosDriver(RebuiltWhenPickled):
     """A program with `forward(tokens int64 [1,T], input_pos int64 [1]) -> logits` and its KV cache as
     mutable buffers; prefill is one call when T is dynamic, else token by token (`token_by_token`)."""
 
@@ -280,7 +300,7 @@ class TokensPosDriver:
         return self._step([token], pos)
 
 
-class GenerationExportDriver:
+class GenerationExportDriver(RebuiltWhenPickled):
     """transformers' `export_for_generation` programs: `prefill(input_ids, position_ids, cache...)` and
     `decode(input_ids, attention_mask, position_ids, cache...)`, the StaticCache's tensors flattened as
     graph inputs and returned as outputs, which the next call takes back."""
@@ -309,11 +329,11 @@ class GenerationExportDriver:
         return argmax_last(logits)
 
 
-class EagerDriver:
-    """The transformers model in eager PyTorch with a DynamicCache (reference only)."""
+class EagerDriver(RebuiltWhenPickled):
+    """The transformers model in eager PyTorch with a DynamicCache (reference only), `build_model(bench)`."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
+    def __init__(self, build_model: Callable[[Bench], torch.nn.Module], bench: Bench):
+        self.model = build_model(bench)
         self.cache: Any = None
 
     @torch.no_grad()
@@ -527,7 +547,7 @@ def path_hf_exporter(bench: Bench, row: Row) -> Driver:
 def path_eager(bench: Bench, row: Row) -> Driver:
     """(e) eager PyTorch transformers with a DynamicCache: a reference, nothing exported."""
     row.note = "no export"
-    return EagerDriver(build_hf_model(bench))
+    return EagerDriver(build_hf_model, bench)
 
 
 @dataclass(frozen=True)
@@ -777,18 +797,40 @@ def make_bench(args: argparse.Namespace) -> Bench:
     return Bench(shape, prompt.tolist(), args.decode_steps, args.rounds, out_dir, args.seed, args.init_range)
 
 
+def time_in_fresh_process(prepared: list[tuple[Row, Driver | None]], bench: Bench,
+                          warm_prefill: bool = False) -> tuple[list[Row], list[float]]:
+    """`time_rows` in a new Python process that loads every program anew from its files (`RebuiltWhenPickled`), as
+    a device's runtime does. A program loaded into this process after exports (gigabytes of graphs allocated and
+    freed) decoded up to 1.5x slower here than the same .pte loaded in a fresh process (30-layer 8da4w: 7.0
+    against 4.8 ms a step), the more so the more exports came before it, which skewed the rows of one run
+    against each other. This process's drivers are released first; returns the timed rows and the bandwidths."""
+    payload = [(row, pickle.dumps(driver) if driver is not None else None) for row, driver in prepared]
+    prepared.clear()
+    gc.collect()
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_time_loaded, (payload, bench, warm_prefill))
+
+
+def _time_loaded(payload: list[tuple[Row, bytes | None]], bench: Bench,
+                 warm_prefill: bool) -> tuple[list[Row], list[float]]:
+    """The fresh process's side of `time_in_fresh_process`: load, warm up, time."""
+    prepared = [(row, pickle.loads(driver) if driver is not None else None) for row, driver in payload]
+    for _, driver in prepared:
+        if driver is not None:
+            warm_up(driver, bench)
+    return [row for row, _ in prepared], time_rows(prepared, bench, warm_prefill)
+
+
 def run_paths(specs: Sequence[PathSpec], bench: Bench, keep_files: bool,
               warm_prefill: bool = False) -> tuple[list[Row], list[float]]:
-    """Export and load every path, then time them in interleaved rounds (`warm_prefill` as in `time_round`);
-    returns the rows and the read bandwidth samples. The output directory is deleted at the end unless
-    `keep_files`."""
+    """Export and load every path, then time them in interleaved rounds in a fresh process
+    (`time_in_fresh_process`; `warm_prefill` as in `time_round`); returns the rows and the read bandwidth
+    samples. The output directory is deleted at the end unless `keep_files`."""
     try:
-        prepared = [prepare_path(spec, bench) for spec in specs]
-        bandwidths = time_rows(prepared, bench, warm_prefill)
+        return time_in_fresh_process([prepare_path(spec, bench) for spec in specs], bench, warm_prefill)
     finally:
         if not keep_files:
             shutil.rmtree(bench.out_dir, ignore_errors=True)
-    return [row for row, _ in prepared], bandwidths
 
 
 def describe_run(title: str, bench: Bench, bandwidths: list[float]) -> str:

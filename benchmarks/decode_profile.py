@@ -86,7 +86,7 @@ from decode import (  # benchmarks/ is not a package: Python puts this script's 
     make_bench,
     prepare_path,
     select_paths,
-    time_rows,
+    time_in_fresh_process,
 )
 from quant import GROUP_SIZE, Option, bytes_per_token
 
@@ -192,9 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         reference = eager_reference_tokens(bench)
         step_bytes = bytes_per_token(bench, OPTION)
         prepared = [prepare_path(spec, bench) for spec in select_paths(args.rows, PATHS)]
-        bandwidths = time_rows(prepared, bench, warm_prefill=True)
-        rows = [row for row, _ in prepared]
-        del prepared
+        rows, bandwidths = time_in_fresh_process(prepared, bench, warm_prefill=True)
         bandwidth = statistics.median(bandwidths)
         print(describe_run("8da4w decode: etblocks and ExecuTorch's llama example, XNNPACK", bench, bandwidths))
         print(f"roofline: that bandwidth / {step_bytes / 1e6:.1f} MB read per decode step (quant.py's count)\n")

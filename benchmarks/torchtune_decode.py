@@ -43,7 +43,7 @@ import statistics
 import sys
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,7 @@ import torch
 from decode import (  # benchmarks/ is not a package: Python puts this script's folder first on sys.path
     Bench,
     Driver,
+    RebuiltWhenPickled,
     PathSpec,
     Row,
     argmax_last,
@@ -174,13 +175,14 @@ class CausalMaskDriver(ABC):
         return self._step([token], pos)
 
 
-class TuneEagerDriver(CausalMaskDriver):
-    """(d) the torchtune decoder in eager PyTorch with its own KV caches (`setup_caches`)."""
+class TuneEagerDriver(RebuiltWhenPickled, CausalMaskDriver):
+    """(d) the torchtune decoder `build_model(bench)` in eager PyTorch with its own KV caches (`setup_caches`)."""
 
-    def __init__(self, model: torch.nn.Module, context: int):
+    def __init__(self, build_model: Callable[[Bench], torch.nn.Module], bench: Bench):
+        context = bench.shape.max_seq_len
         super().__init__(context)
-        self.model = model
-        model.setup_caches(batch_size=1, dtype=torch.float32, decoder_max_seq_len=context)
+        self.model = build_model(bench)
+        self.model.setup_caches(batch_size=1, dtype=torch.float32, decoder_max_seq_len=context)
 
     def reset(self) -> None:
         self.model.reset_caches()
@@ -190,7 +192,7 @@ class TuneEagerDriver(CausalMaskDriver):
         return self.model(tokens, input_pos=input_pos, mask=mask)
 
 
-class InferenceMHADriver(CausalMaskDriver):
+class InferenceMHADriver(RebuiltWhenPickled, CausalMaskDriver):
     """(c) ExecuTorch's torchtune program, `forward(tokens, input_pos, mask) -> logits [1, T, V]`. Its caches
     write at their own `kv_cache_pos` buffer, which nothing but a fresh load resets: `reset()` reloads the method."""
 
@@ -335,7 +337,7 @@ def path_inference_mha_workaround(bench: Bench, row: Row) -> Driver:
 def path_tune_eager(bench: Bench, row: Row) -> Driver:
     """(d) torchtune eager with its KV cache: nothing exported."""
     row.note = "no export; prefill returns logits for every prompt position, as torchtune's decoder does"
-    return TuneEagerDriver(build_tune_model(bench), bench.shape.max_seq_len)
+    return TuneEagerDriver(build_tune_model, bench)
 
 
 PATHS: list[PathSpec] = [

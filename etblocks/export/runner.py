@@ -61,11 +61,7 @@ class Runner:
     ) -> None:
         from executorch.runtime import Runtime
 
-        from etblocks.attention.sdpa import load_llama_custom_ops
-        from etblocks.kv_cache.quantized import load_quantized_ops
-
-        load_llama_custom_ops()
-        load_quantized_ops()  # also gives this process's runtime the quantized_decomposed kernels (int8 embedding, int8 KV caches)
+        load_kernels()
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"path={str(path)!r} is not a file; give the .pte written by etblocks.export")
@@ -208,6 +204,17 @@ class Runner:
                 self._unfed = [token]
                 return new_tokens
             logits = self.forward([token])
+
+
+def load_kernels() -> None:
+    """Register the kernels outside ExecuTorch's portable set that etblocks programs call, with this process's
+    runtime: the llama custom ops (cache updates, custom SDPA) and `quantized_decomposed` (int8 embedding, int8
+    KV caches). A program that calls one fails to load before."""
+    from etblocks.attention.sdpa import load_llama_custom_ops
+    from etblocks.kv_cache.quantized import load_quantized_ops
+
+    load_llama_custom_ops()
+    load_quantized_ops()
 
 
 def run_method(method: Any, inputs: Sequence[Any]) -> list[Any]:
