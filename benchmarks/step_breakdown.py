@@ -16,24 +16,31 @@ down) and the lm_head, called with `x [1, 1, hidden]` and its position. Rows:
   the 8da4w g32 step built up from (c), lowered after the graph rewrites `etblocks.export` applies for XNNPACK (its
   RMSNorms stay inside the delegate):
     e  + RMSNorm   before the attention and the MLP, as in Llama
-    f  + attention  etblocks' `Attention` instead of `o(q(x) + ...)`: rope, `StaticKVCache` written by
+    f  + attention  etblocks' `Attention` instead of `o(q(x) + ...)`: rope (its tables computed once per step and
+                   shared by the layers, as a swapped transformers model computes them), `StaticKVCache` written by
                    `llama::update_cache`, `CustomSDPA` (`llama::custom_sdpa`), as `swap(backend="xnnpack")` builds it;
                    the cache ops run on CPU, so the program has one delegate per layer
     g  etblocks' program  a transformers Llama swapped and exported by etblocks (`quant.py`'s row (e)); adds the
                    embedding and transformers' layer code, called with a token instead of `x`
+  the attention's CPU kernels alone, beside (f) - (e):
+    h  cache + SDPA kernels  per layer the `StaticKVCache`'s two `llama::update_cache` writes and `CustomSDPA`'s
+                   `llama::custom_sdpa` (ExecuTorch's kernels), no linears, no rope, no delegate; the caches stay
+                   in the CPU caches from call to call, which a real step's weights would evict
 
-All programs are loaded, then timed in `--rounds` interleaved rounds of `--calls` calls each at positions 64 on (as
-`quant.py` decodes after its 64-token prompt), the read bandwidth sampled every round (`decode.py`). Columns: the MB
+All programs are exported, then loaded in a fresh process (`decode.time_in_fresh_process` says why) and timed in
+`--rounds` interleaved rounds of `--calls` calls each at positions 64 on (as `quant.py` decodes after its 64-token
+prompt), through etblocks' `run_method`, the read bandwidth sampled every round (`decode.py`). Columns: the MB
 of weights a call reads (`quant.py`'s count), ms per call (median [min-max]), those MB over that time in GB/s and as %
 of the round's bandwidth (median of per-round ratios), the ms over the row above (median of per-round differences,
 second table) and the ms relative to (c). A row's share of the bandwidth caps every program built on it: (c)'s is
 the most an 8da4w step with these kernels can reach here.
 
-    python benchmarks/step_breakdown.py                    # 30 layers: seven exports (~16 min), then timing
+    python benchmarks/step_breakdown.py                    # 30 layers: eight exports (~16 min), then timing
     python benchmarks/step_breakdown.py --layers 2 --rounds 2 --calls 10   # smoke run, ~2 min
 
-Full default run (etblocks 3bce177 + the graph rewrites above, this project's 2-core machine, 21 min; read bandwidth
-36.0 GB/s, median of the rounds [35.5-36.6]):
+Full default run (etblocks 3bce177 + the graph rewrites above, before rope was computed once per step in (f), before
+row (h) and before fresh-process timing; this project's 2-core machine, 21 min; read bandwidth 36.0 GB/s, median of
+the rounds [35.5-36.6]):
 
     linears alone, per weight scheme
     program         weights MB                 ms/call  GB/s  % of bandwidth  ms/(c)  export s
@@ -56,16 +63,24 @@ ms, ~43 us per layer (rope, two `llama::update_cache` writes, `llama::custom_sdp
 embedding, transformers' layer code and the token input 0.26 ms. fp32's 7x more bytes hide the same costs (90% for
 its linears). The host swings these figures by +-20% from run to run (an earlier run without the graph rewrites,
 bandwidth 33.3 GB/s, timed (c) at 3.02 ms and (g) at 5.87 ms), so compare rows within one run.
+
+A full run of this version (etblocks 5beaa73) met a host running 2-4x slower than in the run above ((c) 9.5 ms
+[4.7-13.4], quant.py's (e) program 6.1-10.5 ms a step right after it, against 4.7-5.9 an hour before), so its
+milliseconds are not comparable. Within it, (h), the attention's CPU kernels alone, came to 64% of the attention's
+increment (f) - (e) (median of per-round ratios; 52% in a 2-layer smoke run): the cache writes and
+`llama::custom_sdpa` (which spends its time in MKL's generic sgemv on this AMD host) are half or more of the
+attention's cost, rope and the delegate boundaries around them the rest.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,6 +105,7 @@ from quant import GROUP_SIZE, weight_bytes_per_token
 from etblocks.attention import Attention, CustomSDPA
 from etblocks.attention.rope import RotaryEmbedding, default_inv_freq
 from etblocks.export.passes import apply_backend_passes
+from etblocks.export.runner import run_method
 from etblocks.export.weights import WeightQuantization
 from etblocks.kv_cache import StaticKVCache
 
@@ -108,6 +124,7 @@ class Part:
     norms: bool = False
     attention: bool = False
     etblocks_program: bool = False
+    attention_ops: bool = False  # no linears: only the attention's CPU kernels (AttentionOps)
 
 
 G32 = dict(quantize="8da4w", group_size=32)
@@ -122,6 +139,7 @@ STEP_PARTS = (
     Part("f", "+ attention", norms=True, attention=True, **G32),
     Part("g", "etblocks' program", etblocks_program=True, **G32),
 )
+ATTENTION_PARTS = (Part("h", "cache + SDPA kernels", attention_ops=True),)
 REFERENCE_KEY = "c"
 
 
@@ -143,16 +161,18 @@ class DecoderParts(nn.Module):
                     shape.heads, shape.kv_heads, shape.head_dim, CustomSDPA(shape.head_dim**-0.5),
                     StaticKVCache(1, shape.max_seq_len, shape.kv_heads, shape.head_dim, use_custom_op=True),
                     *(layer.pop(name) for name in ("q", "k", "v", "o")),
-                    rope=RotaryEmbedding(default_inv_freq(shape.head_dim, shape.rope_theta)),
                 )
             self.layers.append(layer)
+        # One rope table per step, shared by the layers, as a swapped transformers model computes it.
+        self.rope = RotaryEmbedding(default_inv_freq(shape.head_dim, shape.rope_theta)) if attention else None
         self.lm_head = nn.Linear(shape.hidden, shape.vocab, bias=False)
 
     def forward(self, x: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        position_embeddings = self.rope(input_pos) if self.rope is not None else None
         for layer in self.layers:
             h = layer["attention_norm"](x) if "attention_norm" in layer else x
             if "attention" in layer:
-                x = x + layer["attention"](h, input_pos)
+                x = x + layer["attention"](h, input_pos, position_embeddings)
             else:
                 x = x + layer["o"](layer["q"](h) + torch.cat((layer["k"](h), layer["v"](h), layer["k"](h)), dim=-1))
             h = layer["mlp_norm"](x) if "mlp_norm" in layer else x
@@ -160,12 +180,35 @@ class DecoderParts(nn.Module):
         return self.lm_head(x)
 
 
+class AttentionOps(nn.Module):
+    """Only the CPU kernels of `layers` layers' decode attention, as `swap(backend="xnnpack")` builds it: the
+    `StaticKVCache`'s two `llama::update_cache` writes and `CustomSDPA`'s `llama::custom_sdpa`, without linears or
+    rope. `forward(q [1, 1, heads, head_dim], kv [1, 1, kv_heads, head_dim], input_pos [1]) -> q's shape`."""
+
+    def __init__(self, shape: Shape) -> None:
+        super().__init__()
+        self.caches = nn.ModuleList(
+            StaticKVCache(1, shape.max_seq_len, shape.kv_heads, shape.head_dim, use_custom_op=True)
+            for _ in range(shape.layers)
+        )
+        self.sdpa = CustomSDPA(shape.head_dim**-0.5)
+
+    def forward(self, q: torch.Tensor, kv: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        for cache in self.caches:
+            k_all, v_all, k_pos = cache.update(input_pos, kv, kv)
+            q = self.sdpa(q, k_all, v_all, input_pos, k_pos)
+        return q
+
+
 @dataclass
 class Program:
+    """An exported part: its .pte and the inputs its calls take before the position."""
+
     part: Part
     mb: float
     export_s: float
-    call: Callable[[int], object]  # position -> run the program once at it
+    path: Path
+    inputs: list[torch.Tensor]
     ms_runs: list[float] = field(default_factory=list)
 
     @property
@@ -174,46 +217,63 @@ class Program:
 
 
 def build(part: Part, shape: Shape, seed: int, out_dir: Path) -> Program:
-    """Export the part's program and load it."""
+    """Export the part's program."""
     start = time.perf_counter()
+    path = out_dir / f"{part.key}.pte"
     if part.etblocks_program:
         bench = Bench(shape, [1] * START_POS, 1, 1, out_dir, seed, init_range=0.1)
         export = {"quantize": part.quantize, "group_size": part.group_size}
-        driver, _ = export_with_etblocks(bench, DecodeRow(part.key, part.name), build_hf_model, f"{part.key}.pte",
-                                         export_options=export)
-        method = driver.method
-        token = torch.tensor([[1]], dtype=torch.long)
-        call = lambda pos: method.execute([token, torch.tensor([pos], dtype=torch.long)])  # noqa: E731
+        export_with_etblocks(bench, DecodeRow(part.key, part.name), build_hf_model, path.name, export_options=export)
+        inputs = [torch.tensor([[1]], dtype=torch.long)]
     else:
-        from torchao.quantization import quantize_
+        if part.attention_ops:
+            module = AttentionOps(shape).eval()
+            inputs = [torch.randn(1, 1, shape.heads, shape.head_dim), torch.randn(1, 1, shape.kv_heads, shape.head_dim)]
+        else:
+            from torchao.quantization import quantize_
 
-        torch.manual_seed(seed)
-        model = DecoderParts(shape, part.norms, part.attention).eval()
-        if part.quantize is not None:
-            quantize_(model, WeightQuantization(part.quantize, part.group_size).linear_config(),
-                      filter_fn=lambda module, fqn: isinstance(module, nn.Linear))
-        x = torch.randn(1, 1, shape.hidden)
+            torch.manual_seed(seed)
+            module = DecoderParts(shape, part.norms, part.attention).eval()
+            if part.quantize is not None:
+                quantize_(module, WeightQuantization(part.quantize, part.group_size).linear_config(),
+                          filter_fn=lambda m, fqn: isinstance(m, nn.Linear))
+            inputs = [torch.randn(1, 1, shape.hidden)]
         with torch.no_grad():
-            exported = torch.export.export(model, (x, torch.tensor([START_POS])))
+            exported = torch.export.export(module, (*inputs, torch.tensor([START_POS])))
         apply_backend_passes(exported, "xnnpack")  # as etblocks.export lowers: the RMSNorms stay in the delegate
-        path = out_dir / f"{part.key}.pte"
         lower_to_xnnpack(exported, path)
-        method = load_method(path)
-        call = lambda pos: method.execute([x, torch.tensor([pos], dtype=torch.long)])  # noqa: E731
-    mb = weight_bytes_per_token(shape, part.quantize, part.group_size or GROUP_SIZE) / 1e6
-    program = Program(part, mb, time.perf_counter() - start, call)
+    mb = 0.0 if part.attention_ops else weight_bytes_per_token(shape, part.quantize, part.group_size or GROUP_SIZE) / 1e6
+    program = Program(part, mb, time.perf_counter() - start, path, inputs)
     print(f"[step breakdown] ({part.key}) {part.name}: exported in {program.export_s:.0f} s", file=sys.stderr, flush=True)
     return program
 
 
-def time_calls(program: Program, calls: int) -> float:
+def time_calls(method, program: Program, calls: int) -> float:
     """ms per call over `calls` calls at positions START_POS on, after five untimed ones just before them."""
+    def call(pos: int) -> None:
+        run_method(method, [*program.inputs, torch.tensor([pos], dtype=torch.long)])
+
     for pos in range(START_POS - 5, START_POS):
-        program.call(pos)
+        call(pos)
     start = time.perf_counter()
     for pos in range(START_POS, START_POS + calls):
-        program.call(pos)
+        call(pos)
     return (time.perf_counter() - start) / calls * 1e3
+
+
+def time_programs(programs: list[Program], rounds: int, calls: int) -> tuple[list[Program], list[float]]:
+    """Load every program and time them in interleaved rounds, the read bandwidth sampled every round; meant to
+    run in a fresh process (`decode.time_in_fresh_process` says why)."""
+    methods = [load_method(p.path) for p in programs]
+    bandwidths = []
+    for round_index in range(rounds):
+        for program, method in zip(programs, methods):
+            program.ms_runs.append(time_calls(method, program, calls))
+        bandwidths.append(measure_read_bandwidth(reps=2))
+        print(f"[step breakdown] round {round_index + 1}/{rounds}: "
+              + ", ".join(f"({p.part.key}) {p.ms_runs[-1]:.3f} ms" for p in programs)
+              + f"; read bandwidth {bandwidths[-1] / 1e9:.1f} GB/s", file=sys.stderr, flush=True)
+    return programs, bandwidths
 
 
 def table(programs: Sequence[Program], bandwidths: Sequence[float], reference: Program, increments: bool) -> str:
@@ -232,6 +292,13 @@ def table(programs: Sequence[Program], bandwidths: Sequence[float], reference: P
     return aligned_table(headers, lines)
 
 
+def attention_table(programs: Sequence[Program], increment: Sequence[float], layers: int) -> str:
+    """The attention kernels alone beside the attention's share of the step, (f) - (e) per round."""
+    lines = [[f"({p.part.key}) {p.part.name}", _spread(p.ms_runs, ".3f"), f"{1e3 * p.ms / layers:.1f}",
+              f"{statistics.median(a / b for a, b in zip(p.ms_runs, increment)):.0%}"] for p in programs]
+    return aligned_table(["program", "ms/call", "us per layer", "of (f) - (e)"], lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=30, help="decoder layers (2 for a smoke run)")
@@ -244,15 +311,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"--calls {args.calls}: positions from {START_POS} must stay below the context "
                          f"{shape.max_seq_len}")
     with tempfile.TemporaryDirectory(prefix="etblocks_step_breakdown_") as out_dir:
-        programs = [build(part, shape, args.seed, Path(out_dir)) for part in (*SCHEME_PARTS, *STEP_PARTS)]
-        bandwidths = []
-        for round_index in range(args.rounds):
-            for program in programs:
-                program.ms_runs.append(time_calls(program, args.calls))
-            bandwidths.append(measure_read_bandwidth(reps=2))
-            print(f"[step breakdown] round {round_index + 1}/{args.rounds}: "
-                  + ", ".join(f"({p.part.key}) {p.ms_runs[-1]:.3f} ms" for p in programs)
-                  + f"; read bandwidth {bandwidths[-1] / 1e9:.1f} GB/s", file=sys.stderr, flush=True)
+        programs = [build(part, shape, args.seed, Path(out_dir))
+                    for part in (*SCHEME_PARTS, *STEP_PARTS, *ATTENTION_PARTS)]
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            programs, bandwidths = pool.apply(time_programs, (programs, args.rounds, args.calls))
     from executorch.extension.pybindings.portable_lib import _threadpool_get_thread_count
 
     by_key = {p.part.key: p for p in programs}
@@ -269,6 +331,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table([by_key[p.key] for p in SCHEME_PARTS], bandwidths, reference, increments=False))
     print("\nthe 8da4w g32 step built up from its linears")
     print(table([reference, *(by_key[p.key] for p in STEP_PARTS)], bandwidths, reference, increments=True))
+    increment = [f - e for f, e in zip(by_key["f"].ms_runs, by_key["e"].ms_runs)]
+    print(f"\nthe attention's CPU kernels alone ({shape.layers} x two llama::update_cache + llama::custom_sdpa), beside "
+          f"the attention's increment (f) - (e), {statistics.median(increment):.3f} ms")
+    print(attention_table([by_key[p.key] for p in ATTENTION_PARTS], increment, shape.layers))
     return 0
 
 
