@@ -12,7 +12,8 @@ Options (the same letters in both tables; `--rows` picks some):
   g  8da4w, int8 embedding     e + export(quantize_embedding="int8")
 
 Speed (`decode.py`'s machinery): a transformers Llama at the SmolLM2-135M shape (30 layers, random weights, fp32)
-swapped and exported per option; all programs are loaded and warmed up, then timed in `--rounds` interleaved rounds
+swapped and exported per option; all programs are loaded anew in a fresh process (`decode.time_in_fresh_process`
+says why) and warmed up, then timed there in `--rounds` interleaved rounds
 (a, b, ..., g, a, b, ...), each a prefill of the `--prompt-len`-token prompt and `--decode-steps` greedy decode
 steps (each row runs one untimed prefill right before its timed one, as torchtune_decode.py explains); medians
 [min-max]. Columns: decode and prefill tok/s, export+lower s (swap + quantize + export + lowering), .pte MB, their
@@ -50,25 +51,26 @@ Columns: top-1 agreement (fraction of positions whose argmax agrees), mean, 99th
 P_option) in nats, and the positions compared. Row (a) compares the fp32 program with the eager transformers model
 (no cache, whole sequence every call): the sanity row, about 1.0 and 0.
 
-    python benchmarks/quant.py        # full run: 14 exports (7 at 30 layers) and 300 training steps, about 45 min
-    python benchmarks/quant.py --layers 2 --rounds 2 --train-steps 10 --accuracy-sequences 4   # smoke run, ~8 min
+    python benchmarks/quant.py        # full run: 14 exports (7 at 30 layers) and 300 training steps, 45-65 min
+    python benchmarks/quant.py --layers 2 --rounds 2 --train-steps 10 --accuracy-sequences 4   # smoke run, ~10 min
 
 `--layers` sets the speed model's layers only; the accuracy model is always the one above.
 
-Full default run (etblocks 4f6e54c, this project's 2-core machine, 43 min; read bandwidth 34.0 GB/s median of the
-rounds [31.2-61.5]):
+Full default run (etblocks 5beaa73, this project's 2-core machine, 61 min; read bandwidth 51.0 GB/s median of the
+rounds [26.9-57.4], against 31-36 GB/s in earlier runs, so the %roof column came out low):
 
     row                        decode tok/s         prefill tok/s    export s  .pte MB  decode/(a)  %roof  MB/token
-    (a) fp32                      49.5 [45.7-61.4]     503 [428-578]        124      652       1.00x    79%     541.6
-    (b) fp32, int8 KV             45.5 [39.9-53.1]     434 [399-445]        163      652       0.92x    72%     538.9
-    (c) 8da8w                    122.7 [111.7-134.3]  1284 [1076-1355]      331      249       2.48x    50%     139.0
-    (d) 8da8w, int8 KV           101.5 [88.9-106.6]    707 [619-722]        348      249       2.05x    41%     136.3
-    (e) 8da4w                    182.9 [159.9-210.6]  1195 [829-1215]       318      189       3.69x    43%      79.4
-    (f) 8da4w, int8 KV           121.2 [108.9-142.7]   667 [586-677]        339      189       2.45x    27%      76.6
-    (g) 8da4w, int8 embedding    183.5 [122.8-193.5]  1182 [792-1202]       299      105       3.71x    43%      79.4
-    FAIL  (e) 8da4w decode % of its roofline: 45% (median of per-round ratios; goal >= 50%)
-    (benchmarks/decode_profile.py profiles (e) beside ExecuTorch's own 8da4w export; benchmarks/step_breakdown.py
-    times its parts unprofiled: see their docstrings)
+    (a) fp32                      47.4 [44.0-59.6]     467 [358-560]        189      652       1.00x    50%     541.6
+    (b) fp32, int8 KV             43.1 [40.9-52.2]     294 [256-335]        225      652       0.91x    45%     538.9
+    (c) 8da8w                    124.7 [113.5-135.3]   943 [634-1104]       410      249       2.63x    34%     139.0
+    (d) 8da8w, int8 KV            86.9 [79.0-101.8]    451 [361-510]        470      249       1.83x    23%     136.3
+    (e) 8da4w                    157.1 [147.5-197.9]   923 [725-1052]       416      189       3.31x    24%      79.4
+    (f) 8da4w, int8 KV           106.6 [101.8-125.9]   449 [407-512]        444      189       2.25x    16%      76.6
+    (g) 8da4w, int8 embedding    163.6 [149.9-203.4]   833 [685-1146]       435      105       3.45x    25%      79.4
+    FAIL  (e) 8da4w decode % of its roofline: 27% (median of per-round ratios; goal >= 50%)
+    (an (e) program exported earlier, timed alone in a fresh process right after: 4.7-5.9 ms a step at 29-33 GB/s,
+    44-51%; benchmarks/decode_profile.py profiles (e) beside ExecuTorch's own 8da4w export, and
+    benchmarks/step_breakdown.py times its parts unprofiled: see their docstrings)
 
     trained model: held-out loss 0.413 nats/token (unigram 5.719, uniform 6.238, generator's entropy 0.348)
     option                     against      top-1 agree   mean KL    p99 KL    max KL  positions
