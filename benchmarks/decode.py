@@ -10,18 +10,19 @@ eager transformers. Rows:
   d  transformers ExecutorchExporter       (export_for_generation: prefill + decode, KV cache as inputs)
   e  eager PyTorch (reference, not run by default)
 
-Every row is timed the same way: all rows are exported and loaded first (`executorch.runtime.Runtime`) and
-warmed up, then timed in `--rounds` interleaved rounds (row a, b, c, ..., a, b, c, ...), each round one prefill
-of the prompt followed by `--decode-steps` greedy decode steps; each row reports the median and range of its
-rounds. Interleaving and medians keep the comparison fair on this shared host (other jobs run on the same two
-cores; read bandwidth swings 15-40 GB/s over seconds). The roofline bandwidth is sampled in every round too, and
-its median is used.
+Every row is timed the same way: all rows are exported first, then loaded anew (`executorch.runtime.Runtime`) in
+a fresh process (`time_in_fresh_process` says why) and warmed up, then timed there in `--rounds` interleaved
+rounds (row a, b, c, ..., a, b, c, ...), each round one prefill of the prompt followed by `--decode-steps`
+greedy decode steps; each row reports the median and range of its rounds. Interleaving and medians keep the
+comparison fair on this shared host (other jobs run on the same two cores; read bandwidth swings 15-57 GB/s over
+seconds). The roofline bandwidth is sampled in every round too, and its median is used.
 
     python benchmarks/decode.py                        # full 30-layer run of a,b,c,d
     python benchmarks/decode.py --layers 2 --rows b,c  # smoke run
 
 To add a row, write a `(Bench, Row) -> Driver` function (export, fill in `row.export_s` and `row.pte_mb`, return
-a loaded driver) and add a `PathSpec` for it to `PATHS`; raise `Unavailable` when the path cannot run here.
+a driver that pickles as its constructor call, a `RebuiltWhenPickled`) and add a `PathSpec` for it to `PATHS`;
+raise `Unavailable` when the path cannot run here.
 """
 
 from __future__ import annotations
