@@ -808,8 +808,13 @@ def time_in_fresh_process(prepared: list[tuple[Row, Driver | None]], bench: Benc
     payload = [(row, pickle.dumps(driver) if driver is not None else None) for row, driver in prepared]
     prepared.clear()
     gc.collect()
+    return in_fresh_process(_time_loaded, payload, bench, warm_prefill)
+
+
+def in_fresh_process(function: Callable[..., Any], *args: Any) -> Any:
+    """`function(*args)` in a newly spawned Python process (function, arguments and result pickled)."""
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_time_loaded, (payload, bench, warm_prefill))
+        return pool.apply(function, args)
 
 
 def _time_loaded(payload: list[tuple[Row, bytes | None]], bench: Bench,

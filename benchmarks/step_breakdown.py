@@ -75,7 +75,6 @@ attention's cost, rope and the delegate boundaries around them the rest.
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import statistics
 import sys
 import tempfile
@@ -96,6 +95,7 @@ from decode import (  # benchmarks/ is not a package: Python puts this script's 
     aligned_table,
     build_hf_model,
     export_with_etblocks,
+    in_fresh_process,
     load_method,
     lower_to_xnnpack,
     measure_read_bandwidth,
@@ -313,8 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="etblocks_step_breakdown_") as out_dir:
         programs = [build(part, shape, args.seed, Path(out_dir))
                     for part in (*SCHEME_PARTS, *STEP_PARTS, *ATTENTION_PARTS)]
-        with multiprocessing.get_context("spawn").Pool(1) as pool:
-            programs, bandwidths = pool.apply(time_programs, (programs, args.rounds, args.calls))
+        programs, bandwidths = in_fresh_process(time_programs, programs, args.rounds, args.calls)
     from executorch.extension.pybindings.portable_lib import _threadpool_get_thread_count
 
     by_key = {p.part.key: p for p in programs}

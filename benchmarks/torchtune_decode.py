@@ -52,8 +52,8 @@ import torch
 from decode import (  # benchmarks/ is not a package: Python puts this script's folder first on sys.path
     Bench,
     Driver,
-    RebuiltWhenPickled,
     PathSpec,
+    RebuiltWhenPickled,
     Row,
     argmax_last,
     describe_run,
