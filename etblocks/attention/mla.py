@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from etblocks.attention.masks import allowed_keys
 from etblocks.attention.rope import RotaryEmbedding, rotate_half_matrix
@@ -117,11 +118,13 @@ class MLAttention(nn.Module):
         self.kv_a_proj, self.kv_a_norm, self.kv_b_proj, self.o_proj = kv_a_proj, kv_a_norm, kv_b_proj, o_proj
         self.rope = rope
         self.kv_cache = kv_cache
-        # x @ rope_rotation is the rotate-half partner of the (de-interleaved) x; rope_deinterleave moves the pairs.
+        # Linear weights: F.linear(x, rope_rotation) is the rotate-half partner of the (de-interleaved) x;
+        # F.linear(x, rope_deinterleave) moves the pairs.
         rotation = rotate_half_matrix(qk_rope_head_dim)
         deinterleave = deinterleave_matrix(qk_rope_head_dim) if rope_interleave else None
-        self.register_buffer("rope_rotation", rotation if deinterleave is None else deinterleave @ rotation, persistent=False)
-        self.register_buffer("rope_deinterleave", deinterleave, persistent=False)
+        rotation = rotation if deinterleave is None else deinterleave @ rotation
+        self.register_buffer("rope_rotation", rotation.T.contiguous(), persistent=False)
+        self.register_buffer("rope_deinterleave", None if deinterleave is None else deinterleave.T.contiguous(), persistent=False)
 
     def extra_repr(self) -> str:
         return (
@@ -154,10 +157,9 @@ class MLAttention(nn.Module):
         dim = self.qk_rope_head_dim
         cos = cos.reshape(-1, 1, dim).to(x.dtype)
         sin = sin.reshape(-1, 1, dim).to(x.dtype)
-        rows = x.reshape(-1, dim)  # 2-D matmuls, reshaped back with an inferred T: delegable on a dynamic length
-        rotated = torch.matmul(rows, self.rope_rotation).reshape(x.shape[0], -1, x.shape[2], dim)
+        rotated = F.linear(x, self.rope_rotation)  # linears take [B, T, h, R] as it is: delegable on a dynamic length
         if self.rope_deinterleave is not None:
-            x = torch.matmul(rows, self.rope_deinterleave).reshape(x.shape[0], -1, x.shape[2], dim)
+            x = F.linear(x, self.rope_deinterleave)
         return x * cos + rotated * sin
 
     def attend_absorbed(

@@ -11,6 +11,7 @@ import math
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 
 def default_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
@@ -92,8 +93,10 @@ def rotate_pairs_matrix(dim: int, dtype: torch.dtype = torch.float32) -> torch.T
 
 
 def rotation_matrix(dim: int, interleaved: bool) -> torch.Tensor:
-    """The partner map of a rope layout as a matrix: `rotate_pairs_matrix` or `rotate_half_matrix`."""
-    return rotate_pairs_matrix(dim) if interleaved else rotate_half_matrix(dim)
+    """The partner map of a rope layout as a linear layer's weight: `F.linear(x, W) == r(x)`, the transpose of
+    `rotate_pairs_matrix` or `rotate_half_matrix`. A linear takes `x [B, T, H, D]` as it is, where a matmul needs
+    it viewed as rows and back: two operators fewer per rotation in an XNNPACK delegate."""
+    return (rotate_pairs_matrix(dim) if interleaved else rotate_half_matrix(dim)).T.contiguous()
 
 
 def apply_rotary(
@@ -101,8 +104,8 @@ def apply_rotary(
 ) -> torch.Tensor:
     """Rotate `x [B, T, H, D]` by `cos, sin [..., T, R]` with R <= D (partial rotary leaves dims R: untouched).
 
-    `rotation` (`rotation_matrix(D, interleaved)`) replaces the slice-and-concat of a full rotation with a matmul;
-    without it the layout is rotate-half. Interleaved tables need it (and R == D).
+    `rotation` (`rotation_matrix(D, interleaved)`) replaces the slice-and-concat of a full rotation with a linear
+    map; without it the layout is rotate-half. Interleaved tables need it (and R == D).
     """
     # Insert the head axis with a reshape that infers T: a plain unsqueeze of a dynamic length stays on CPU.
     table_shape = (*cos.shape[:-2], -1, 1, cos.shape[-1])
@@ -112,8 +115,8 @@ def apply_rotary(
     if rotary_dim == x.shape[-1]:
         if rotation is None:
             rotated = rotate_half(x)
-        else:  # as [B*T*H, D] rows, reshaped back with an inferred T, so the reshapes stay delegable too
-            rotated = torch.matmul(x.reshape(-1, x.shape[-1]), rotation).reshape(x.shape[0], -1, *x.shape[2:])
+        else:
+            rotated = F.linear(x, rotation)
         return x * cos + rotated * sin
     x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
     return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)

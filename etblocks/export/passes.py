@@ -24,7 +24,7 @@ def rms_norm_as_primitives(exported: torch.export.ExportedProgram) -> int:
     `x * rsqrt(mean(x^2, -1) + eps) * weight`, the form transformers' norms export as.
 
     Left whole, to_edge decomposes it with a scalar add (`add.Scalar`) that neither XNNPACK nor Vulkan takes, so
-    every norm splits the graph; written out here, `mean_over_last_dim_as_pooling` then makes the mean poolable
+    every norm splits the graph; written out here, `mean_over_last_dim_as_linear` then makes the mean delegable
     too. Returns the number rewritten.
     """
     graph = exported.graph_module.graph
@@ -54,12 +54,44 @@ def rms_norm_as_primitives(exported: torch.export.ExportedProgram) -> int:
     return rewritten
 
 
-def mean_over_last_dim_as_pooling(exported: torch.export.ExportedProgram) -> int:
-    """Rewrite `mean(x [B, ..., D], dim=-1, keepdim=True)` (every RMSNorm, and per-head q/k norms on
-    `[B, T, H, D]`) as a mean over the last two dims of `x` viewed as `[B, N, D, 1]`.
+def _constant(exported: torch.export.ExportedProgram, name: str, data: torch.Tensor, like: torch.fx.Node) -> torch.fx.Node:
+    """A new lifted constant tensor placeholder named `name` holding `data`, its fake value made in the fake mode of
+    `like`'s. (ExecuTorch's `create_constant_placeholder` takes the mode from the graph's first node, which fails
+    when that node is a torchao-quantized weight.)"""
+    from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
 
-    XNNPACK delegates mean.dim only as 4-D global average pooling; the other forms stay on CPU and split the
-    graph into a partition per norm, each a separate delegate call per token. Returns the number rewritten.
+    graph = exported.graph_module.graph
+    specs = exported.graph_signature.input_specs
+    first_user_input = next(i for i, spec in enumerate(specs) if spec.kind == InputKind.USER_INPUT)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    with graph.inserting_before(placeholders[first_user_input]):
+        node = graph.placeholder(name)
+    node.meta["val"] = like.meta["val"].fake_mode.from_tensor(data)
+    exported.constants[node.name] = data
+    specs.insert(first_user_input, InputSpec(InputKind.CONSTANT_TENSOR, TensorArgument(node.name), node.name))
+    return node
+
+
+def _scalar_constant(exported: torch.export.ExportedProgram, arg) -> float | None:
+    """`arg` as a Python number if it is one or a one-element lifted constant, else None."""
+    if isinstance(arg, (int, float)) and not isinstance(arg, bool):
+        return float(arg)
+    if isinstance(arg, torch.fx.Node) and arg.op == "placeholder":
+        name = exported.graph_signature.inputs_to_lifted_tensor_constants.get(arg.name)
+        value = exported.constants.get(name) if name is not None else None
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
+            return float(value)
+    return None
+
+
+def mean_over_last_dim_as_linear(exported: torch.export.ExportedProgram) -> int:
+    """Rewrite `mean(x [..., D], dim=-1, keepdim=True)` (every RMSNorm, and per-head q/k norms) as
+    `linear(x, ones(1, D) / D)`, and a following `+ eps` as that linear's bias.
+
+    XNNPACK delegates mean.dim only as 4-D global average pooling, which needs `x` viewed as an image and back: three
+    operators, and a fourth for the eps, where one linear does it. At one token every delegated operator costs its
+    own reshape, setup and run on every call (~0.45 us for a small elementwise one here), and a Llama has two norms
+    per layer. Returns the number rewritten.
     """
     graph = exported.graph_module.graph
     rewritten = 0
@@ -68,29 +100,62 @@ def mean_over_last_dim_as_pooling(exported: torch.export.ExportedProgram) -> int
             continue
         x, dims = node.args[0], node.args[1]
         keepdim = len(node.args) > 2 and node.args[2]
-        shape = x.meta["val"].shape
-        if len(shape) not in (3, 4) or not keepdim or [d % len(shape) for d in dims] != [len(shape) - 1]:
+        value = x.meta["val"]
+        if not keepdim or len(dims) != 1 or dims[0] % value.dim() != value.dim() - 1 or not value.is_floating_point():
             continue
-        if sum(not isinstance(size, int) for size in shape) > 1 or not isinstance(shape[0], int):
-            continue  # a view may infer one size only
-        # Views with -1 for the one dynamic size, not (un)squeeze: XNNPACK delegates exactly that form.
-        rows = [shape[0], -1, shape[-1], 1]
-        out_sizes = [size if isinstance(size, int) else -1 for size in shape[:-1]] + [1]
+        size = value.shape[-1]
+        if not isinstance(size, int):
+            continue
+        users = list(node.users)
+        eps = None
+        if len(users) == 1 and users[0].target == torch.ops.aten.add.Tensor and users[0].args[0] is node:
+            eps = _scalar_constant(exported, users[0].args[1]) if len(users[0].args) == 2 and not users[0].kwargs else None
+        # One constant per norm: a constant that several delegates read fails to lower (ExecuTorch 1.5.1).
+        weight = torch.full((1, size), 1.0 / size, dtype=value.dtype)
+        args = (x, _constant(exported, f"_etblocks_mean_weight_{node.name}", weight, like=x))
+        if eps is not None:
+            args += (_constant(exported, f"_etblocks_mean_bias_{node.name}", torch.tensor([eps], dtype=value.dtype), like=x),)
         with graph.inserting_before(node):
-            as_image = graph.call_function(torch.ops.aten.view.default, (x, rows))
-            _set_val(as_image, torch.ops.aten.view.default, x, rows)
-            pooled = graph.call_function(torch.ops.aten.mean.dim, (as_image, [2, 3], True))
-            _set_val(pooled, torch.ops.aten.mean.dim, as_image, [2, 3], True)
-            restored = graph.call_function(torch.ops.aten.view.default, (pooled, out_sizes))
-            _set_val(restored, lambda p: p.view(*shape[:-1], 1), pooled)
-        _replace(graph, node, restored)
+            linear = graph.call_function(torch.ops.aten.linear.default, args)
+            _set_val(linear, torch.ops.aten.linear.default, *args)
+        _replace(graph, users[0] if eps is not None else node, linear)
+        if eps is not None:
+            graph.erase_node(node)
         rewritten += 1
     exported.graph_module.recompile()
     return rewritten
 
 
+def dedupe_views(exported: torch.export.ExportedProgram) -> int:
+    """Merge views that repeat one another: the same tensor viewed to the same sizes. Each layer views the rope
+    tables, computed once per step, again for its queries and its keys; merged, they are viewed once per step, where
+    an XNNPACK delegate runs each view as a copy operator of its own. The exported graph is functional (buffer
+    writes are lifted out, custom in-place ops functionalized), so two such views hold the same values wherever
+    they are. Returns the number merged.
+
+    (Merging the dynamic quantization that q, k, v (and gate, up) each apply to the same activation saves more
+    operators, but ExecuTorch 1.5.1's XNNPACK partitioner then splits every MLP into two delegates.)
+    """
+    graph = exported.graph_module.graph
+    views = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
+    seen: dict[tuple, torch.fx.Node] = {}
+    merged = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in views or node.kwargs:
+            continue
+        key = (node.target, node.args[0], tuple(node.args[1]))
+        if key in seen:
+            node.replace_all_uses_with(seen[key])
+            graph.erase_node(node)
+            merged += 1
+        else:
+            seen[key] = node
+    exported.graph_module.recompile()
+    return merged
+
+
 # Core ML, OpenVINO and QNN take rms_norm as it decomposes (QNN has its own RmsNorm op): no rewrite for them.
-BACKEND_PASSES = {"xnnpack": [rms_norm_as_primitives, mean_over_last_dim_as_pooling], "vulkan": [rms_norm_as_primitives]}
+BACKEND_PASSES = {"xnnpack": [rms_norm_as_primitives, mean_over_last_dim_as_linear, dedupe_views], "vulkan": [rms_norm_as_primitives]}
 
 
 def apply_backend_passes(exported: torch.export.ExportedProgram, backend: str) -> None:

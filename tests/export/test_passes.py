@@ -61,3 +61,110 @@ def test_backends_without_rewrites_keep_the_norm_whole():
     exported = _exported(Norms().eval(), torch.randn(1, 7, 16))
     apply_backend_passes(exported, "openvino")
     assert sum(n.target == torch.ops.aten.rms_norm.default for n in exported.graph.nodes) == 2
+
+
+class HFNorms(torch.nn.Module):
+    """transformers' RMSNorm (the upstream module, written out as pow, mean, + eps, rsqrt) over `[B, T, D]`, and
+    again per head over `[B, T, H, D]` as Qwen3's q/k norms apply it."""
+
+    def __init__(self, heads: int = 3, head_dim: int = 8) -> None:
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        self.heads, self.head_dim = heads, head_dim
+        self.norm = LlamaRMSNorm(heads * head_dim, eps=1e-5)
+        self.head_norm = LlamaRMSNorm(head_dim, eps=1e-6)
+        torch.nn.init.normal_(self.norm.weight)
+        torch.nn.init.normal_(self.head_norm.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x)
+        return self.head_norm(x.view(x.shape[0], -1, self.heads, self.head_dim))
+
+
+def test_mean_rewrite_keeps_the_values_and_folds_the_eps():
+    from etblocks.export.passes import mean_over_last_dim_as_linear
+
+    module, x = HFNorms().eval(), torch.randn(1, 7, 24)
+    exported = _exported(module, x)
+    assert mean_over_last_dim_as_linear(exported) == 2
+    targets = [n.target for n in exported.graph.nodes]
+    assert torch.ops.aten.mean.dim not in targets
+    linears = [n for n in exported.graph.nodes if n.target == torch.ops.aten.linear.default]
+    assert len(linears) == 2 and all(len(n.args) == 3 for n in linears)  # the eps went into the bias
+    assert targets.count(torch.ops.aten.add.Tensor) == 0, "the + eps adds were folded into the linears"
+    for length in (1, 7, 40):
+        x = torch.randn(1, length, 24)
+        torch.testing.assert_close(exported.module()(x), module(x), atol=1e-5, rtol=1e-5)
+
+
+def test_mean_rewrite_keeps_a_mean_whose_sum_is_used_elsewhere():
+    """The eps is folded only into a mean whose one user is the add: here the mean is also returned."""
+    from etblocks.export.passes import mean_over_last_dim_as_linear
+
+    class TwoUsers(torch.nn.Module):
+        def forward(self, x):
+            m = x.pow(2).mean(-1, keepdim=True)
+            return torch.rsqrt(m + 1e-5), m
+
+    module, x = TwoUsers(), torch.randn(1, 5, 16)
+    exported = _exported(module, x)
+    assert mean_over_last_dim_as_linear(exported) == 1
+    assert [n.target for n in exported.graph.nodes].count(torch.ops.aten.add.Tensor) == 1
+    for got, want in zip(exported.module()(x), module(x)):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_dedupe_views_merges_repeated_views_only():
+    from etblocks.export.passes import dedupe_views
+
+    class Views(torch.nn.Module):
+        def forward(self, x, table):
+            a = x * table.reshape(1, -1, 1, 4)  # the same table viewed twice the same way: one view is enough
+            b = x + table.reshape(1, -1, 1, 4)
+            return a, b, table.reshape(-1, 4)  # another shape: kept
+
+    module, x, table = Views(), torch.randn(1, 6, 2, 4), torch.randn(1, 6, 4)
+    seq = torch.export.Dim("seq", min=1, max=64)
+    exported = torch.export.export(module, (x, table), dynamic_shapes=({1: seq}, {1: seq}), strict=False)
+    view_ops = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
+    views = lambda: sum(n.target in view_ops for n in exported.graph.nodes)
+    assert views() == 3
+    assert dedupe_views(exported) == 1 and views() == 2
+    for got, want in zip(exported.module()(x, table), module(x, table)):
+        torch.testing.assert_close(got, want)
+
+
+
+def test_mean_rewrite_on_a_graph_whose_first_input_is_a_torchao_weight():
+    """The new constants' fake values come from the activation's fake mode: a graph whose first placeholder is a
+    torchao-quantized weight (a tensor subclass without one) rewrites, lowers whole and keeps the values."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+    from torchao.quantization import quantize_
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from etblocks.export.weights import WeightQuantization
+
+    class ProjectThenNorm(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(32, 24, bias=False)
+            self.norm = LlamaRMSNorm(24, eps=1e-5)
+            torch.nn.init.normal_(self.norm.weight)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.norm(self.proj(x))
+
+    module = ProjectThenNorm().eval()
+    quantize_(module, WeightQuantization("8da4w", 32).linear_config(), filter_fn=lambda m, _: isinstance(m, torch.nn.Linear))
+    exported = _exported(module, torch.randn(1, 5, 32))
+    first = next(n for n in exported.graph.nodes if n.op == "placeholder")
+    assert not hasattr(first.meta["val"], "fake_mode"), "the test needs a subclass weight as the first placeholder"
+    apply_backend_passes(exported, "xnnpack")
+    assert torch.ops.aten.mean.dim not in [n.target for n in exported.graph.nodes]
+    x = torch.randn(1, 9, 32)
+    torch.testing.assert_close(exported.module()(x), module(x), atol=1e-5, rtol=1e-5)
+    lowered = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])
+    summary = summarize(lowered.exported_program().graph_module)
+    assert len(summary.partitions) == 1 and summary.n_cpu_ops == 0, summary
