@@ -839,6 +839,34 @@ def run_paths(specs: Sequence[PathSpec], bench: Bench, keep_files: bool,
             shutil.rmtree(bench.out_dir, ignore_errors=True)
 
 
+# The vector extensions XNNPACK picks its int8 / int4 GEMM kernels by, as /proc/cpuinfo names them.
+KERNEL_FLAGS = {"flags": ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8"), "Features": ("asimddp", "i8mm", "sve")}
+
+
+def describe_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU and which of `KERNEL_FLAGS` it has. Quantized decode figures depend on it more than on anything
+    else about the host: the same 8da4w linears ran 3.5x slower on an AVX2-only EPYC of this project's machine
+    kind than on the hosts of earlier runs (`step_breakdown.py`)."""
+    import platform
+
+    try:
+        lines = cpuinfo.read_text().splitlines()
+    except OSError:
+        return f"CPU: {platform.machine()} (no {cpuinfo})"
+    fields: dict[str, str] = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name", platform.machine())
+    if "cpu family" in fields:
+        name += f" (family {fields['cpu family']}, model {fields.get('model', '?')})"
+    for key, wanted in KERNEL_FLAGS.items():
+        if key in fields:
+            have = set(fields[key].split())
+            return f"CPU: {name}; " + ", ".join(f"{flag} {'yes' if flag in have else 'no'}" for flag in wanted)
+    return f"CPU: {name}"
+
+
 def describe_run(title: str, bench: Bench, bandwidths: list[float]) -> str:
     """The lines above the table: shape, weights, settings, threads and the roofline."""
     from executorch.extension.pybindings.portable_lib import _threadpool_get_thread_count
@@ -855,6 +883,7 @@ def describe_run(title: str, bench: Bench, bandwidths: list[float]) -> str:
         f"context {s.max_seq_len}, prompt {len(bench.prompt)} tokens (prefill), {bench.decode_steps} greedy decode "
         f"steps; figures are medians of {bench.rounds} interleaved rounds [min-max]; torch {torch.__version__}, "
         f"{threads} torch threads, {_threadpool_get_thread_count()} ExecuTorch threads",
+        describe_cpu(),
         f"roofline: read bandwidth {statistics.median(gb):.1f} GB/s [{min(gb):.1f}-{max(gb):.1f}] (torch.sum over "
         f"1 GB of random fp32, best of 1 and {threads} threads, sampled every round) / {weight_bytes / 1e6:.1f} MB "
         f"fp32 weights per token (linears + lm_head) = {roofline_tps:.1f} tok/s\n",

@@ -70,6 +70,11 @@ milliseconds are not comparable. Within it, (h), the attention's CPU kernels alo
 increment (f) - (e) (median of per-round ratios; 52% in a 2-layer smoke run): the cache writes and
 `llama::custom_sdpa` (which spends its time in MKL's generic sgemv on this AMD host) are half or more of the
 attention's cost, rope and the delegate boundaries around them the rest.
+
+Both runs predate the XNNPACK rewrites that took operators out of every layer (`etblocks.export.passes`): each
+RMSNorm's mean and its eps as one linear (5 delegated operators per norm, not 8), the rope rotation as a linear on
+`[B, T, H, D]` (no views around it), and the rope tables' views that every layer repeated merged into one (41
+delegated operators per layer, not 55). Rows (e)-(g) lower with them now; `quant.py` measures what they bought.
 """
 
 from __future__ import annotations
@@ -95,6 +100,7 @@ from decode import (  # benchmarks/ is not a package: Python puts this script's 
     aligned_table,
     build_hf_model,
     export_with_etblocks,
+    describe_cpu,
     in_fresh_process,
     load_method,
     lower_to_xnnpack,
@@ -324,6 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{shape.hidden}), XNNPACK; {args.rounds} interleaved rounds of {args.calls} calls at positions "
           f"{START_POS}-{START_POS + args.calls - 1}, medians [min-max]; {_threadpool_get_thread_count()} ExecuTorch "
           "threads")
+    print(describe_cpu())
     print(f"read bandwidth {statistics.median(gb):.1f} GB/s [{min(gb):.1f}-{max(gb):.1f}] (torch.sum over 1 GB of "
           "random fp32, sampled every round)\n")
     print("linears alone, per weight scheme")
