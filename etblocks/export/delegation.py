@@ -10,11 +10,13 @@ import torch
 
 @dataclass
 class DelegationSummary:
-    """`partitions` lists `(backend_id, op count)` per delegated subgraph; `cpu_ops` counts the kernels that
-    stay outside any delegate (symbolic-shape bookkeeping is not counted)."""
+    """`partitions` lists `(backend_id, op count)` per delegated subgraph; `delegated_ops` counts the ops inside
+    them by name; `cpu_ops` counts the kernels that stay outside any delegate (symbolic-shape bookkeeping is not
+    counted)."""
 
     partitions: list[tuple[str, int]] = field(default_factory=list)
     cpu_ops: Counter = field(default_factory=Counter)
+    delegated_ops: Counter = field(default_factory=Counter)
 
     @property
     def ops_per_delegate(self) -> dict[str, int]:
@@ -30,6 +32,7 @@ class DelegationSummary:
         for summary in summaries:
             total.partitions.extend(summary.partitions)
             total.cpu_ops.update(summary.cpu_ops)
+            total.delegated_ops.update(summary.delegated_ops)
         return total
 
     @property
@@ -70,8 +73,9 @@ def summarize(graph_module: torch.fx.GraphModule) -> DelegationSummary:
             continue
         if name == "executorch_call_delegate":
             lowered = getattr(graph_module, node.args[0].target)
-            inner = [n for n in lowered.original_module.graph.nodes if _op_name(n) is not None]
+            inner = [name for name in map(_op_name, lowered.original_module.graph.nodes) if name is not None]
             summary.partitions.append((lowered.backend_id, len(inner)))
+            summary.delegated_ops.update(inner)
         else:
             summary.cpu_ops[name] += 1
     branches = [child for child in graph_module.children() if isinstance(child, torch.fx.GraphModule)]

@@ -85,7 +85,7 @@ def test_hybrid_keeps_attention_core_on_cpu_and_projections_delegated(golden):
         assert cpu.get("aten.index_put", 0) == 4  # k and v cache writes of 2 layers
         assert cpu.get("aten._softmax", 0) == 2
         assert not any(op in cpu for op in ("aten.mm", "aten.addmm", "aten.linear"))
-        assert sum(n for _, n in summary[method]["partitions"]) > 100
+        assert summary[method]["partitions"]  # test_static_programs checks that every projection is in them
 
 
 @pytest.mark.slow

@@ -134,7 +134,8 @@ def test_static_block_is_ready(programs):
         assert readiness.ready, format_readiness(report)
         assert not readiness.uncovered and not readiness.dynamic and not readiness.bad_dtypes
         assert readiness.build_error is None  # QNN's preprocess passes and every op wrapper built
-        assert readiness.ops["aten.linear.default"] == 8
+        # q, k, v, o, gate, up, down, lm_head, and the rope rotation of q and of k (`rotation_matrix`)
+        assert readiness.ops["aten.linear.default"] == 10
         assert readiness.ops["aten.rms_norm.default"] == 3  # the HF-style norms were recomposed by QNN's pass
     table = format_readiness(report)
     assert "prefill" in table and "decode" in table and "NOT READY" not in table
@@ -194,7 +195,7 @@ def test_quantize_runs_and_stays_ready(quantized):
 def test_methods_share_encodings(quantized):
     _, programs = quantized
     prefill, decode = quantized_weights(programs["prefill"]), quantized_weights(programs["decode"])
-    assert "lm_head/linear_7" in prefill and prefill.keys() == decode.keys()
+    assert any(key.startswith("lm_head/") for key in prefill) and prefill.keys() == decode.keys()
     for layer, (ints, scale, zero_point) in prefill.items():  # one copy of each weight can serve both methods
         assert torch.equal(ints, decode[layer][0]), layer
         assert torch.equal(scale, decode[layer][1]) and torch.equal(zero_point, decode[layer][2]), layer
