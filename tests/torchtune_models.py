@@ -30,7 +30,7 @@ HEAD = dict(head_dim=16, intermediate_dim=128)
 # rotate-half (qwen2_5, phi3); qwen2_5 has q/k/v biases; gemma2 has softcaps, query_pre_attn_scalar and a
 # window on every other layer (never binding unless a test passes `sliding_window_size`).
 FAMILIES = {
-    "llama3_2": lambda **o: llama3_2(**DIMS, intermediate_dim=128, **o),
+    "llama3_2": lambda **o: llama3_2(**{**DIMS, "intermediate_dim": 128, **o}),
     "qwen2_5": lambda **o: qwen2(**DIMS, intermediate_dim=128, tie_word_embeddings=True, **o),
     "mistral": lambda **o: mistral(**DIMS, intermediate_dim=128, **o),
     "gemma": lambda **o: gemma(**DIMS, **HEAD, **o),

@@ -118,7 +118,7 @@ def test_window_mask_reads_only_the_last_positions():
 @pytest.mark.slow
 def test_two_methods_share_one_copy_of_the_weights(tmp_path):
     """The static program (prefill + decode) is at most 1.05x the size of the one-method dynamic program."""
-    wide = dict(hidden_size=256, intermediate_size=512, head_dim=32, vocab_size=512)
+    wide = dict(hidden_size=256, intermediate_size=512, head_dim=32, vocab_size=512, num_hidden_layers=1)
     _, dynamic = original_and_copy("llama", **wide)
     _, static = original_and_copy("llama", **wide)
     etblocks.swap(dynamic, backend="xnnpack", max_seq_len=CONTEXT)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import FALLBACK_FAMILIES, FAMILIES, hf_greedy, original_and_copy, prompt_ids, swapped_family
+from hf_models import FALLBACK_FAMILIES, FAMILIES, family_variant, hf_greedy, original_and_copy, prompt_ids, swapped_family
 
 import etblocks
 from etblocks.attention import CustomSDPA, DynamicSDPA
@@ -13,7 +13,9 @@ from etblocks.swap.hf.adapter import HFCall
 
 LOGIT_ATOL = 1e-4  # fp32
 NEW_TOKENS = 32
-PORTABLE_FAMILIES = ("llama", "gemma2", "qwen3", "phi3")
+# The portable program differs from xnnpack's in lowering only: gemma2 (ring caches, softcaps) and phi3 (partial
+# rotary, fused qkv) hold the ops llama's and qwen3's would add.
+PORTABLE_FAMILIES = ("gemma2", "phi3")
 
 
 def _eager_parity(name: str, families: dict) -> None:
@@ -37,6 +39,16 @@ def test_structural_fallback_logits_match_upstream(name):
     _eager_parity(name, FALLBACK_FAMILIES)
 
 
+# Families whose layers differ (sliding and full, NoPE, dense then MoE) export all their layers, the others one
+# (~40% less export time each): their converters are what tells them apart, and the layered ones cover the
+# loop over layers.
+LAYERED = ("qwen2", "gemma2", "gemma3_text", "smollm3", "exaone4", "deepseek_v2", "deepseek_v3", "gpt_oss")
+
+
+def export_family(name: str) -> dict:
+    return FAMILIES if name in LAYERED else family_variant(name, num_hidden_layers=1)
+
+
 def _exported_tokens_match(name: str, families: dict, backend: str, tmp_path) -> etblocks.ExportResult:
     original, swapped = swapped_family(name, backend, families, max_seq_len=64)
     result = etblocks.export(swapped, backend=backend, out=tmp_path / f"{name}.pte")
@@ -51,14 +63,14 @@ def _exported_tokens_match(name: str, families: dict, backend: str, tmp_path) ->
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_xnnpack_greedy_matches_hf_generate(name, tmp_path):
-    result = _exported_tokens_match(name, FAMILIES, "xnnpack", tmp_path)
+    result = _exported_tokens_match(name, export_family(name), "xnnpack", tmp_path)
     assert result.delegation.ops_per_delegate.get("XnnpackBackend", 0) > 0
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", PORTABLE_FAMILIES)
 def test_portable_greedy_matches_hf_generate(name, tmp_path):
-    result = _exported_tokens_match(name, FAMILIES, "portable", tmp_path)
+    result = _exported_tokens_match(name, export_family(name), "portable", tmp_path)
     assert result.delegation.partitions == []
     assert "llama.custom_sdpa" not in result.delegation.cpu_ops
 
