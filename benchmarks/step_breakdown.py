@@ -74,7 +74,16 @@ attention's cost, rope and the delegate boundaries around them the rest.
 Both runs predate the XNNPACK rewrites that took operators out of every layer (`etblocks.export.passes`): each
 RMSNorm's mean and its eps as one linear (5 delegated operators per norm, not 8), the rope rotation as a linear on
 `[B, T, H, D]` (no views around it), and the rope tables' views that every layer repeated merged into one (41
-delegated operators per layer, not 55). Rows (e)-(g) lower with them now; `quant.py` measures what they bought.
+delegated operators per layer, not 55). Rows (e)-(g) lower with them now. They bought no speed above the noise:
+timed against the program before them in 15 interleaved rounds (30 layers, fresh processes, on the host below), a
+step took 13.56 against 13.48 ms; a program of small delegated elementwise operators timed alone puts one at ~0.44
+us, so the ~420 operators they remove are worth ~0.19 ms.
+
+On an AVX2-only EPYC of the same machine kind (2026-12-02: no AVX-512 or VNNI, read bandwidth 18-25 GB/s,
+`describe_cpu` heads the output), partial runs of (b)-(e) timed the linears alone at 9.7-11.6 ms for (b) (~60% of
+the bandwidth), 8.1-10.9 ms for (c) (~40%) and 6.6-8.5 ms for (d), and (e) at 9.3-10.1 ms. `perf` puts the time in
+XNNPACK's AVX2 qd8-f32-qb4w GEMM (per-block scales, 16-bit multiply-adds): compute-bound at one token, so on such
+a host no 8da4w program built on ExecuTorch 1.5.1's XNNPACK kernels reaches 50% of its roofline.
 """
 
 from __future__ import annotations
