@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import FAMILIES, FEW_HEADS, hf_greedy, prompt_ids, family_variant, swapped_family, tiny_model
+from hf_models import FEW_HEADS, hf_greedy, prompt_ids, family_variant, swapped_family, tiny_model
 
 import etblocks
 from etblocks.cli import main
@@ -22,8 +22,9 @@ from etblocks.export.qnn import format_readiness
 MIN_TOP1_16A8W = 0.7
 
 
-def swap_qnn(name: str, families: dict = FAMILIES):
-    return swapped_family(name, "qnn", families, max_seq_len=64, chunk=8)
+def swap_qnn(name: str, **config):
+    """The family with `FEW_HEADS` (and `config`) and its qnn-swapped copy."""
+    return swapped_family(name, "qnn", family_variant(name, **FEW_HEADS, **config), max_seq_len=64, chunk=8)
 
 
 # Layers each readiness check needs: gemma3_text and gpt_oss have a sliding and a full layer.
@@ -33,7 +34,7 @@ COVERED = {"llama": 1, "gemma3_text": 2, "gpt_oss": 2}  # gpt_oss: SHA with sink
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(COVERED))
 def test_quantized_qnn_program_is_fully_covered(name):
-    _, swapped = swap_qnn(name, family_variant(name, **FEW_HEADS, num_hidden_layers=COVERED[name]))
+    _, swapped = swap_qnn(name, num_hidden_layers=COVERED[name])
     report = check_qnn(swapped)  # 16a8w, the recipe's default
     text = format_readiness(report)
     print(text)
@@ -69,7 +70,7 @@ def teacher_forced_top1(runner: etblocks.Runner, original, prompts, new_tokens: 
 @pytest.mark.slow
 def test_quantized_program_runs_on_the_host(tmp_path):
     """`export(..., backend="portable", quantize="16a8w")` runs the NPU's quantized graph here."""
-    original, swapped = swap_qnn("llama", family_variant("llama", **FEW_HEADS))
+    original, swapped = swap_qnn("llama")
     result = etblocks.export(swapped, backend="portable", quantize="16a8w", out=tmp_path / "q.pte")
     assert result.quantize == "16a8w"
     assert result.delegation.cpu_ops["quantized_decomposed.quantize_per_tensor"] > 0
@@ -87,7 +88,7 @@ def test_quantized_program_with_adapters_runs_on_the_host(tmp_path):
     adapter agrees with PeftModel as the base agrees with HF."""
     from peft_refs import ADAPTERS, make_adapters, peft_reference
 
-    original, swapped = swap_qnn("llama", family_variant("llama", **FEW_HEADS))
+    original, swapped = swap_qnn("llama")
     dirs = make_adapters(original, tmp_path)
     for name in ADAPTERS:
         etblocks.load_adapter(swapped, dirs[name], name=name)
@@ -135,7 +136,7 @@ def test_cli_bad_calibration_file_names_the_line(capsys, tmp_path):
 def test_qnn_swap_exports_unquantized_to_host_backends(backend, tmp_path):
     """The SHA + conv graph the NPU gets, fp32 (quantize defaults to None off the recipe's backend), generates
     HF's greedy tokens on the host."""
-    original, swapped = swap_qnn("qwen3", family_variant("qwen3", **FEW_HEADS))
+    original, swapped = swap_qnn("qwen3")
     result = etblocks.export(swapped, backend=backend, out=tmp_path / "sha.pte")
     assert result.quantize is None
     runner = etblocks.Runner(result.path)
