@@ -44,7 +44,8 @@ from typing import Any, Protocol
 
 import torch
 
-from etblocks.export.runner import greedy_token, load_kernels, run_method
+from etblocks.export.runner import greedy_token, run_method
+from etblocks.ops import load_kernels
 
 # --------------------------------------------------------------------------------------------------
 # Shape, settings and results

@@ -2,7 +2,7 @@
 
 Rows, both the SmolLM2-135M-shape Llama of `decode.py` (same random weights), 8da4w with groups of 32 (`quant.py`'s):
 
-  a  etblocks 8da4w                 etblocks.swap(model, "xnnpack") + etblocks.export(quantize="8da4w")
+  a  etblocks 8da4w                 etblocks.swap(model, "xnnpack") + etblocks.export(quantize_weights="8da4w")
   b  ExecuTorch llama example 8da4w ExecuTorch's llama Transformer as export_llama_lib exports it with `-qmode 8da4w
                                     --group_size 32 --use_sdpa_with_kv_cache`: its `quantize()` (HQQ), custom SDPA and
                                     KV cache, XNNPACK (`decode.export_llama_example`)

@@ -354,7 +354,7 @@ def run_probe(kind: str, spec: dict) -> dict:
 def probe_main(kind: str, spec_json: str) -> int:
     from executorch.runtime import Runtime
 
-    from etblocks.attention.sdpa import load_llama_custom_ops
+    from etblocks.ops import load_llama_custom_ops
 
     load_llama_custom_ops()
     Runtime.get()

@@ -31,7 +31,7 @@ import torch
 
 import etblocks
 from etblocks.attention.mla import MLAttention
-from etblocks.kv_cache import StaticKVCache
+from etblocks.state import StaticKVCache
 
 V3_ATTENTION = dict(n_heads=128, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
 

@@ -2,12 +2,12 @@
 
 Options (the same letters in both tables; `--rows` picks some):
 
-  a  fp32                      etblocks.swap(model, "xnnpack") + etblocks.export(quantize=None)
+  a  fp32                      etblocks.swap(model, "xnnpack") + etblocks.export()
   b  fp32, int8 KV             swap(kv_quantize="int8"): int8 cache, one scale and zero point per token and KV head,
                                read by ExecuTorch's `llama::custom_quantized_sdpa`
-  c  8da8w                     export(quantize="8da8w"): int8 weights per output channel, int8 dynamic activations
+  c  8da8w                     export(quantize_weights="8da8w"): int8 weights per output channel, int8 dynamic activations
   d  8da8w, int8 KV            c + b
-  e  8da4w                     export(quantize="8da4w", group_size=32): int4 weights in groups of 32
+  e  8da4w                     export(quantize_weights="8da4w", group_size=32): int4 weights in groups of 32
   f  8da4w, int8 KV            e + b
   g  8da4w, int8 embedding     e + export(quantize_embedding="int8")
 
@@ -127,7 +127,7 @@ from decode import (  # benchmarks/ is not a package: Python puts this script's 
 
 import etblocks  # noqa: E402
 from etblocks.export.accuracy import AccuracyReport, EagerModel, next_token_agreement  # noqa: E402
-from etblocks.kv_cache.base import find_caches  # noqa: E402
+from etblocks.state import find_states  # noqa: E402
 
 GROUP_SIZE = 32
 BYTES_READ = "MB read/token"
@@ -149,7 +149,7 @@ class Option:
 
     key: str
     name: str
-    quantize: str | None = None  # export(quantize=...): the linear weights
+    quantize: str | None = None  # export(quantize_weights=...): the linear weights
     kv_quantize: str | None = None  # swap(kv_quantize=...)
     quantize_embedding: str | None = None  # export(quantize_embedding=...)
 
@@ -157,7 +157,7 @@ class Option:
         return {"kv_quantize": self.kv_quantize}
 
     def export_options(self) -> dict[str, Any]:
-        return {"quantize": self.quantize, "group_size": GROUP_SIZE, "quantize_embedding": self.quantize_embedding}
+        return {"quantize_weights": self.quantize, "group_size": GROUP_SIZE, "quantize_embedding": self.quantize_embedding}
 
 
 OPTIONS = (
@@ -201,12 +201,11 @@ def weight_bytes_per_token(shape: Shape, quantize: str | None, group_size: int =
 
 @torch.no_grad()
 def kv_bytes_per_position(bench: Bench, option: Option) -> float:
-    """Bytes all layers' caches hold per position: every buffer laid out `[B, S, ...]` (keys, values, scales, zero
-    points) of a one-layer model swapped with the option, divided by S, times the layers."""
+    """Bytes all layers' caches hold per position: every declared state tensor (keys, values, scales, zero points)
+    of a one-layer model swapped with the option, divided by its rows, times the layers."""
     one_layer = dataclasses.replace(bench, shape=dataclasses.replace(bench.shape, layers=1))
     model = swapped(build_hf_model(one_layer), option, bench.shape.max_seq_len)
-    per_layer = sum(buffer.nbytes / buffer.shape[1] for cache in find_caches(model) for buffer in cache.buffers()
-                    if buffer.dim() >= 3 and buffer.shape[1] == bench.shape.max_seq_len)
+    per_layer = sum(spec.zeros().nbytes / spec.rows for state in find_states(model) for spec in state.specs())
     return per_layer * bench.shape.layers
 
 

@@ -11,7 +11,7 @@ down) and the lm_head, called with `x [1, 1, hidden]` and its position. Rows:
   `etblocks.export`:
     a  fp32
     b  8da8w       int8 weights per output channel, int8 dynamic activations
-    c  8da4w g32   int4 weights in groups of 32 (`etblocks.export(quantize="8da4w")`'s default)
+    c  8da4w g32   int4 weights in groups of 32 (`etblocks.export(quantize_weights="8da4w")`'s default)
     d  8da4w g192  groups of 192, the largest dividing both 576 and 1536: 9% fewer bytes than g32
   the 8da4w g32 step built up from (c), lowered after the graph rewrites `etblocks.export` applies for XNNPACK (its
   RMSNorms stay inside the delegate):
@@ -71,7 +71,7 @@ increment (f) - (e) (median of per-round ratios; 52% in a 2-layer smoke run): th
 `llama::custom_sdpa` (which spends its time in MKL's generic sgemv on this AMD host) are half or more of the
 attention's cost, rope and the delegate boundaries around them the rest.
 
-Both runs predate the XNNPACK rewrites that took operators out of every layer (`etblocks.export.passes`): each
+Both runs predate the XNNPACK rewrites that took operators out of every layer (`etblocks.backends.passes`): each
 RMSNorm's mean and its eps as one linear (5 delegated operators per norm, not 8), the rope rotation as a linear on
 `[B, T, H, D]` (no views around it), and the rope tables' views that every layer repeated merged into one (41
 delegated operators per layer, not 55). Rows (e)-(g) lower with them now. They bought no speed above the noise:
@@ -119,10 +119,10 @@ from quant import GROUP_SIZE, weight_bytes_per_token
 
 from etblocks.attention import Attention, CustomSDPA
 from etblocks.attention.rope import RotaryEmbedding, default_inv_freq
-from etblocks.export.passes import apply_backend_passes
+from etblocks.backends import get_backend
 from etblocks.export.runner import run_method
 from etblocks.export.weights import WeightQuantization
-from etblocks.kv_cache import StaticKVCache
+from etblocks.state import StaticKVCache
 
 START_POS = 64  # quant.py's prompt length: decode reads about as many cached positions
 
@@ -237,7 +237,7 @@ def build(part: Part, shape: Shape, seed: int, out_dir: Path) -> Program:
     path = out_dir / f"{part.key}.pte"
     if part.etblocks_program:
         bench = Bench(shape, [1] * START_POS, 1, 1, out_dir, seed, init_range=0.1)
-        export = {"quantize": part.quantize, "group_size": part.group_size}
+        export = {"quantize_weights": part.quantize, "group_size": part.group_size}
         export_with_etblocks(bench, DecodeRow(part.key, part.name), build_hf_model, path.name, export_options=export)
         inputs = [torch.tensor([[1]], dtype=torch.long)]
     else:
@@ -255,7 +255,7 @@ def build(part: Part, shape: Shape, seed: int, out_dir: Path) -> Program:
             inputs = [torch.randn(1, 1, shape.hidden)]
         with torch.no_grad():
             exported = torch.export.export(module, (*inputs, torch.tensor([START_POS])))
-        apply_backend_passes(exported, "xnnpack")  # as etblocks.export lowers: the RMSNorms stay in the delegate
+        get_backend("xnnpack").apply_passes(exported)  # as etblocks.export lowers: the RMSNorms stay in the delegate
         lower_to_xnnpack(exported, path)
     mb = 0.0 if part.attention_ops else weight_bytes_per_token(shape, part.quantize, part.group_size or GROUP_SIZE) / 1e6
     program = Program(part, mb, time.perf_counter() - start, path, inputs)

@@ -1,17 +1,12 @@
 """The `etblocks` command: `export`, `run` and `backends`.
 
-    etblocks export --model demo|PATH --backend xnnpack --out model.pte --max-seq-len 256 [--no-verify]
-                    [--sdpa custom|dynamic|static] [--shapes static --chunk 32] [--moe dense|gather]
-                    [--kv-quantize int8] [--quantize 16a8w|16a4w|8a8w|8da4w|8da8w|none]
-                    [--group-size 32] [--quantize-embedding int8]
-                    [--check] [--calibration prompts.txt] [--config file.yaml]
-    etblocks run --pte model.pte (--prompt-ids 1,2,3 | --prompt TEXT --tokenizer tokenizer.json)
-                 --max-new-tokens 32 [--temperature T --top-p P --seed S] [--config file.yaml]
+    etblocks export --model demo|PATH --backend xnnpack --out model.pte [options]
+    etblocks run --pte model.pte (--prompt-ids 1,2,3 | --prompt TEXT --tokenizer tokenizer.json) [options]
     etblocks backends [NAME ...]
 
-Every option of `export` and `run` can also come from a YAML file (`--config`, see `etblocks.config`); flags
-override the file. Errors etblocks expects (bad options, unsupported models, missing backends) print
-`error: <message>` and exit with code 2.
+Every flag comes from one declaration (`etblocks.options`, and each backend's own options), which also gives
+the YAML config file its keys (`--config`, see `etblocks.config`); flags override the file. Errors etblocks
+expects (bad options, unsupported models, missing backends) print `error: <message>` and exit with code 2.
 """
 
 from __future__ import annotations
@@ -24,8 +19,9 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-from etblocks.config import Resolved, load_config, read_calibration, resolve
+from etblocks.config import Resolved, all_options, load_config, read_calibration, resolve
 from etblocks.errors import ConfigError, EtblocksError
+from etblocks.options import RECIPE_KEYS, Option
 
 EXIT_ERROR = 2
 DEMO = "demo"
@@ -47,52 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Load a model, swap its attention for the backend's blocks (verified against the original), "
         "export, lower and write a .pte. Flags override the --config file.",
     )
-    export.add_argument("--model", help="'demo' (tiny Llama, random weights) or a local HF checkpoint directory")
-    export.add_argument("--backend", help="ExecuTorch backend (default: xnnpack); `etblocks backends` lists them")
-    export.add_argument("--out", help="where to write the .pte (default: model.pte)")
-    export.add_argument("--max-seq-len", type=int, metavar="N", help="context length (default: the model's, at most 2048)")
-    export.add_argument(
-        "--verify",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="compare each swapped layer with the original before changing the model (default: on)",
-    )
-    export.add_argument("--sdpa", help="attention kernel: custom (llama::custom_sdpa), dynamic or static (plain torch); default: the recipe's")
-    export.add_argument("--shapes", help="dynamic (one forward, T dynamic) or static (prefill + decode, fixed shapes); default: the recipe's")
-    export.add_argument("--chunk", type=int, metavar="N", help="tokens per prefill call of a static program (default: 32)")
-    export.add_argument("--moe", help="MoE experts: gather (only each token's top-k) or dense (every expert, no indexing); default: the recipe's")
-    export.add_argument("--kv-quantize", help="int8: KV caches stored in int8 with a scale and zero point per token and head (default: float)")
-    export.add_argument(
-        "--quantize",
-        help="QnnQuantizer precision of a static program (16a8w, 16a4w, 8a8w), or torchao weight quantization for "
-        "xnnpack (8da4w: int8 dynamic activations, int4 weights with a scale per --group-size inputs; 8da8w: int8 "
-        "weights with a scale per output channel), or none (default: the recipe's)",
-    )
-    export.add_argument(
-        "--group-size", type=int, metavar="N", help="8da4w: inputs per int4 weight scale, a multiple of 32 dividing every linear's input size (default: 32)"
-    )
-    export.add_argument("--quantize-embedding", help="int8: xnnpack programs store the token embedding as int8 rows, a scale per row (default: float)")
-    export.add_argument(
-        "--calibration",
-        metavar="TXT",
-        help="prompts to calibrate quantization with: one prompt of comma-separated token ids per line "
-        "(default: seeded random ids, a rough calibration)",
-    )
-    export.add_argument(
-        "--check",
-        action="store_true",
-        default=None,
-        help="qnn: check every op of the program against ExecuTorch's QNN op builders and print the report "
-        "instead of lowering (needs no Qualcomm SDK); exit code 1 if an op is not covered",
-    )
-    export.add_argument(
-        "--adapter",
-        dest="adapters",
-        action="append",
-        metavar="NAME=DIR",
-        help="a LoRA adapter (PEFT or torchtune directory) to ship as <out stem>.NAME.ptd; repeat for more",
-    )
-    _common(export)
+    _add_options(export, "export")
     export.set_defaults(handler=cmd_export)
 
     run = commands.add_parser(
@@ -101,18 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate with a .pte written by `etblocks export`, through the ExecuTorch runtime. "
         "Flags override the --config file.",
     )
-    run.add_argument("--pte", help="the .pte to run (default: the config's pte, else its out)")
-    prompt = run.add_mutually_exclusive_group()
-    prompt.add_argument("--prompt-ids", metavar="IDS", help="comma-separated prompt token ids, e.g. 1,2,3")
-    prompt.add_argument("--prompt", metavar="TEXT", help="prompt text (needs --tokenizer)")
-    run.add_argument("--tokenizer", metavar="JSON", help="a tokenizer.json (HF tokenizers) to encode --prompt and decode the output")
-    run.add_argument("--max-new-tokens", type=int, metavar="N", help="tokens to generate at most (default: 32)")
-    run.add_argument("--temperature", type=float, metavar="T", help="0 is greedy (default: 0)")
-    run.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling mass in (0, 1] (default: 1)")
-    run.add_argument("--seed", type=int, metavar="S", help="random seed for sampling")
-    run.add_argument("--adapter", metavar="NAME", help="run with this LoRA adapter: NAME (exported next to the .pte) or NAME=FILE.ptd")
-    run.add_argument("--adapter-scale", type=float, metavar="S", help="multiply the adapter's update by S (default: 1)")
-    _common(run)
+    _add_options(run, "run")
     run.set_defaults(handler=cmd_run)
 
     backends = commands.add_parser(
@@ -126,14 +66,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _common(parser: argparse.ArgumentParser) -> None:
+def _add_options(parser: argparse.ArgumentParser, command: str) -> None:
+    """A flag per declared option of `command`, plus --config and --verbose."""
+    for option in all_options().values():
+        if command not in option.commands:
+            continue
+        kwargs: dict[str, Any] = dict(dest=option.name, default=None, help=option.describe())
+        if option.kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif option.kind == "switch":
+            kwargs["action"] = "store_true"
+        elif option.kind == "append":
+            kwargs.update(action="append", metavar=option.placeholder())
+        else:
+            kwargs.update(type=option.kind, metavar=_placeholder(option))
+        parser.add_argument(option.flags[0], **kwargs)
     parser.add_argument("--config", metavar="YAML", help="YAML file with the same options (keys as the flags, with _)")
     parser.add_argument("-v", "--verbose", action="store_true", help="show library warnings and logs")
 
 
-def _options(command: str, args: argparse.Namespace, names: list[str]) -> Resolved:
+def _placeholder(option: Option) -> str:
+    if option.name != "backend":
+        return option.placeholder()
+    from etblocks.backends import backends  # the backend option's choices are the registered backends
+
+    return "{" + ",".join(b.name for b in backends()) + "}"
+
+
+def _options(command: str, args: argparse.Namespace) -> Resolved:
     config = load_config(args.config) if args.config else None
-    flags = {name: getattr(args, name, None) for name in names}
+    flags = {name: value for name, value in vars(args).items() if name in all_options()}
     return resolve(command, flags, config)
 
 
@@ -141,21 +103,13 @@ def _options(command: str, args: argparse.Namespace, names: list[str]) -> Resolv
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    names = [
-        "model", "backend", "out", "max_seq_len", "verify", "sdpa", "shapes", "chunk", "moe", "kv_quantize", "quantize", "group_size",
-        "quantize_embedding", "check", "calibration", "adapters",
-    ]
-    options = _options("export", args, names)
+    options = _options("export", args)
     say = _progress()
     model_name = options["model"]
     if model_name is None:
         raise ConfigError(f"model is not set; give --model {DEMO} or --model PATH (a local HF checkpoint directory), or `model:` in a config file")
-    check = bool(options["check"])
-    if check and options["backend"] != "qnn":
-        raise ConfigError(f"{options.where('check')}: check is the QNN readiness report; it needs backend qnn, not {options['backend']!r}")
-    backend, overrides, dtype = _check_backend(options, lower=not check)
-    quantize = {None: "auto", "none": None}.get(options["quantize"], options["quantize"])
-    _check_weight_quantization(options, backend, quantize)
+    backend, overrides, backend_options, dtype = _check_backend(options, lower=not options["check"])
+    _check_quantization(options, backend)
     calibration = read_calibration(options["calibration"]) if options["calibration"] else None
     out = Path(options["out"])
 
@@ -187,49 +141,74 @@ def cmd_export(args: argparse.Namespace) -> int:
         layers = etblocks.load_adapter(model, directory, name=name)
         say(f"loaded adapter {name!r} from {directory} ({len(layers)} layers)")
 
-    if check:
-        from etblocks.export.driver import check_qnn
-        from etblocks.export.qnn import format_readiness
+    if options["check"]:
+        from etblocks.export.driver import check_readiness
 
-        report = check_qnn(model, quantize=quantize, calibration=calibration, progress=say)
-        print(format_readiness(report), flush=True)
-        return 0 if all(r.ready for r in report.values()) else 1
+        report = check_readiness(
+            model, backend, quantize_activations=options["quantize_activations"], calibration=calibration, progress=say
+        )
+        print(report, flush=True)
+        return 0 if report.ready else 1
     result = etblocks.export(
-        model, backend=backend, out=out, max_seq_len=info.max_seq_len, quantize=quantize, group_size=options["group_size"],
-        quantize_embedding=options["quantize_embedding"], calibration=calibration, progress=say,
+        model, backend=backend, out=out, max_seq_len=info.max_seq_len, bos_id=options["bos_id"],
+        eos_ids=options["eos_ids"], quantize_weights=options["quantize_weights"], group_size=options["group_size"],
+        quantize_embedding=options["quantize_embedding"], quantize_activations=options["quantize_activations"],
+        calibration=calibration, backend_options=backend_options, progress=say,
     )
     seconds = {"swap": swap_seconds, **result.seconds}
     print(_export_summary(result, model_name, seconds), flush=True)
     return 0
 
 
-def _check_backend(options: Resolved, lower: bool = True) -> tuple[str, dict, Any]:
-    """Backend, recipe overrides and the recipe's dtype, checked before any model is loaded (`lower=False`: the
-    backend need not be usable here, e.g. a QNN readiness check without the SDK)."""
-    from etblocks.export.backends import partitioners_for
+def _check_backend(options: Resolved, lower: bool = True) -> tuple[str, dict, dict, Any]:
+    """Backend, recipe overrides, backend options and the recipe's dtype, checked before any model is loaded
+    (`lower=False`: the backend need not be usable here, e.g. a readiness check of QNN without its SDK)."""
+    from etblocks.backends import backends, get_backend
     from etblocks.swap.recipes import resolve_recipe
 
-    backend = options["backend"]
     try:
-        if lower:
-            partitioners_for(backend)  # typed errors now rather than after minutes of work
+        spec = get_backend(options["backend"])
     except ConfigError as exc:
         raise ConfigError(f"{options.where('backend')}: {exc}") from None
-    overrides = {key: options[key] for key in ("sdpa", "shapes", "chunk", "moe", "kv_quantize") if options[key] is not None}
+    if options["check"] and not spec.has_readiness:
+        offered = sorted(b.name for b in backends() if b.has_readiness)
+        raise ConfigError(
+            f"{options.where('check')}: check is the readiness report of a backend that offers one ({offered}), not "
+            f"backend={spec.name!r}"
+        )
+    backend_options, foreign = {}, []
+    for backend in backends():
+        for option in backend.options:
+            key = f"{backend.name}_{option.name}"
+            if options.where(key) == "default":
+                continue
+            if backend is spec:
+                backend_options[option.name] = options[key]
+            else:
+                foreign.append(key)
+    if foreign:
+        raise ConfigError(f"{options.where(foreign[0])}: {foreign[0]} is an option of another backend, not of {spec.name!r}")
     try:
-        recipe = resolve_recipe(backend, **overrides)
+        if lower:
+            spec.usable_partitioners(backend_options)  # typed errors now rather than after minutes of work
+    except ConfigError as exc:
+        raise ConfigError(f"{options.where('backend')}: {exc}") from None
+    overrides = {key: options[key] for key in RECIPE_KEYS if options[key] is not None}
+    try:
+        recipe = resolve_recipe(spec.name, **overrides)
     except ConfigError as exc:
         raise ConfigError(f"{', '.join(options.where(key) for key in overrides) or options.where('backend')}: {exc}") from None
-    return backend, overrides, recipe.dtype
+    return spec.name, overrides, backend_options, recipe.dtype
 
 
-def _check_weight_quantization(options: Resolved, backend: str, quantize) -> None:
+def _check_quantization(options: Resolved, backend: str) -> None:
     """torchao weight quantization options checked before any model is loaded."""
+    from etblocks.backends import get_backend
     from etblocks.export.weights import weight_quantization
 
-    keys = [key for key in ("quantize", "group_size", "quantize_embedding") if options.where(key) != "default"]
+    keys = [key for key in ("quantize_weights", "group_size", "quantize_embedding") if options.where(key) != "default"]
     try:
-        weight_quantization(backend, quantize, options["group_size"], options["quantize_embedding"])
+        weight_quantization(get_backend(backend), options["quantize_weights"], options["group_size"], options["quantize_embedding"])
     except ConfigError as exc:
         raise ConfigError(f"{', '.join(options.where(key) for key in keys) or options.where('backend')}: {exc}") from None
 
@@ -299,8 +278,7 @@ def _export_summary(result, model_name: str, seconds: dict[str, float]) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    names = ["pte", "prompt_ids", "prompt", "tokenizer", "max_new_tokens", "temperature", "top_p", "seed", "adapter", "adapter_scale"]
-    options = _options("run", args, names)
+    options = _options("run", args)
     if options["pte"] is None:
         raise ConfigError("pte is not set; give --pte model.pte (or `pte:` in a config file)")
     if options["prompt_ids"] is not None and options["prompt"] is not None:
@@ -321,7 +299,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         prompt_ids = options["prompt_ids"]
 
     say(f"loading {options['pte']}")
-    runner = load_runner(options["pte"])
+    runner = load_runner(options["pte"], data_path=options["data_path"], decode_tail=options["decode_tail"])
     if options["adapter"] is not None:
         name, file = options["adapter"]
         from etblocks.export.adapters import adapter_file
@@ -341,9 +319,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         temperature=options["temperature"],
         top_p=options["top_p"],
         seed=options["seed"],
+        eos=options["eos_ids"],
     )
     elapsed = time.perf_counter() - start
-    stopped = "EOS" if new_ids and new_ids[-1] in runner.eos_ids else "max_new_tokens"
+    eos_ids = options["eos_ids"] or runner.eos_ids
+    stopped = "EOS" if new_ids and new_ids[-1] in eos_ids else "max_new_tokens"
     print(f"prompt ids: {','.join(map(str, prompt_ids))}")
     print(f"generated ids: {','.join(map(str, new_ids))}")
     if tokenizer is not None:
@@ -373,11 +353,11 @@ def load_tokenizer(path: str | Path):
         ) from None
 
 
-def load_runner(path: str | Path):
+def load_runner(path: str | Path, data_path: str | Path | None = None, decode_tail: int | None = None):
     from etblocks.export.runner import Runner
 
     try:
-        return Runner(path)  # a missing file is the Runner's own ConfigError
+        return Runner(path, data_path=data_path, decode_tail=decode_tail)  # a missing file is the Runner's own ConfigError
     except EtblocksError:
         raise
     except Exception as exc:  # the runtime raises RuntimeError/ValueError for files it cannot load
@@ -391,8 +371,8 @@ def load_runner(path: str | Path):
 
 
 def cmd_backends(args: argparse.Namespace) -> int:
-    from etblocks.export.backends import get_backend
-    from etblocks.probe import format_table, probe_backends
+    from etblocks.backends import get_backend
+    from etblocks.backends.probe import format_table, probe_backends
 
     for name in args.names:
         get_backend(name)  # ConfigError listing the accepted names

@@ -17,7 +17,7 @@ from torch import nn
 
 import etblocks
 from etblocks.attention import Attention, CustomSDPA, RotaryEmbedding, default_inv_freq
-from etblocks.kv_cache import StaticKVCache
+from etblocks.state import StaticKVCache
 
 VOCAB_SIZE = 128
 DIM = 64

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from etblocks.config import DEFAULTS, OPTIONS, load_config, parse_config, resolve
+from etblocks.config import load_config, parse_config, resolve
+from etblocks.options import DEFAULTS, OPTIONS
 from etblocks.errors import ConfigError, EtblocksError
 
 FULL = """\
@@ -53,9 +54,9 @@ def test_full_file_parses_with_types_and_lines(tmp_path):
 
 
 def test_every_flag_has_a_key():
-    flags = {o.flag for o in OPTIONS.values()}
+    flags = {flag for o in OPTIONS.values() for flag in o.flags}
     assert {"--model", "--backend", "--out", "--max-seq-len", "--sdpa", "--pte", "--prompt-ids", "--prompt"} <= flags
-    assert {"--tokenizer", "--max-new-tokens", "--temperature", "--top-p", "--seed", "--verify/--no-verify"} <= flags
+    assert {"--tokenizer", "--max-new-tokens", "--temperature", "--top-p", "--seed", "--verify", "--no-verify"} <= flags
 
 
 def test_prompt_ids_as_string_and_int_temperature():
@@ -126,10 +127,13 @@ def test_non_string_key_is_unknown():
         ("model: ''\n", r"model='' \(str\) is not accepted; give a non-empty string"),
         ("model: 3\n", r"model=3 \(int\)"),
         ("out: [a.pte]\n", r"out=\['a.pte'\] \(list\) is not accepted; give a path"),
-        ("quantize: int4\n", r"quantize='int4' \(str\) is not accepted; choose one of \['none', '16a8w', '16a4w', '8a8w', '8da4w', '8da8w'\]"),
+        ("quantize_weights: int4\n", r"quantize_weights='int4' \(str\) is not accepted; choose one of \['8da4w', '8da8w', 'none'\]"),
+        ("quantize_activations: 8\n", r"quantize_activations=8 \(int\) is not accepted; give a scheme"),
+        ("qnn_chipset: SM0000\n", r"qnn_chipset='SM0000' \(str\) is not accepted; choose one of ExecuTorch's QcomChipset names \[.*'SM8650'"),
+        ("dtype: int8\n", r"dtype='int8' \(str\) is not accepted; give a floating dtype"),
         ("group_size: 0\n", r"group_size=0 \(int\) is not accepted; give an integer >= 1"),
-        ("quantize_embedding: int4\n", r"quantize_embedding='int4' \(str\) is not accepted; choose one of \['int8'\]"),
-        ("kv_quantize: fp8\n", r"kv_quantize='fp8' \(str\) is not accepted; choose one of \['int8'\]"),
+        ("quantize_embedding: int4\n", r"quantize_embedding='int4' \(str\) is not accepted; choose one of \['int8', 'none'\]"),
+        ("kv_quantize: fp8\n", r"kv_quantize='fp8' \(str\) is not accepted; choose one of \['int8', 'none'\]"),
     ],
 )
 def test_wrong_values_name_key_value_line_and_accepted(text, pattern):
@@ -198,9 +202,18 @@ def test_run_options_and_pte_falls_back_to_out(tmp_path):
 
 
 def test_quantization_keys():
-    config = parse_config("quantize: 8da4w\ngroup_size: 64\nquantize_embedding: int8\nkv_quantize: int8\n")
-    assert config.values == {"quantize": "8da4w", "group_size": 64, "quantize_embedding": "int8", "kv_quantize": "int8"}
-    options = resolve("export", {"quantize": "8da8w"}, config)
-    assert options["quantize"] == "8da8w" and options.where("quantize") == "--quantize"
+    config = parse_config("quantize_weights: 8da4w\ngroup_size: 64\nquantize_embedding: int8\nkv_quantize: int8\n")
+    assert config.values == {"quantize_weights": "8da4w", "group_size": 64, "quantize_embedding": "int8", "kv_quantize": "int8"}
+    options = resolve("export", {"quantize_weights": "8da8w"}, config)
+    assert options["quantize_weights"] == "8da8w" and options.where("quantize_weights") == "--quantize-weights"
+    assert options["quantize_activations"] == "auto" and resolve("export", {"quantize_activations": "none"})["quantize_activations"] is None
     assert options["group_size"] == 64 and options.where("group_size").endswith("line 2")
     assert resolve("export", {})["group_size"] == DEFAULTS["group_size"] == 32
+
+
+def test_recipe_dtype_and_backend_options():
+    import torch
+
+    config = parse_config("dtype: float16\nqnn_chipset: SM8750\nattention: sha\n")
+    assert config.values == {"dtype": torch.float16, "qnn_chipset": "SM8750", "attention": "sha"}
+    assert resolve("export", {}, None)["qnn_chipset"] == "SM8650"  # the backend's declared default

@@ -10,7 +10,7 @@ from hf_models import assert_untouched, family_pair, original_and_copy, prompt_i
 
 import etblocks
 from etblocks.errors import BackendUnavailableError, ConfigError, ContextOverflowError, UnsupportedModelError
-from etblocks.export import backends
+from etblocks.backends import get_backend
 from etblocks.swap.hf.fallback import infer_layout
 
 
@@ -36,15 +36,15 @@ def test_registered_converter_mismatch_is_caught_too():
     """A wrong converter registered by a user is caught by the same probe."""
     from transformers.models.llama.modeling_llama import LlamaAttention
 
-    from etblocks.swap.hf.convert import HFAttentionLayout, build_attention
-    from etblocks.swap.registry import ATTENTION
+    from etblocks.swap.hf.convert import HFAttentionLayout, attention_from_layout
+    from etblocks.swap.registry import MIXERS
 
     class SkewedAttention(LlamaAttention):
         pass
 
     @etblocks.register(SkewedAttention)
     def wrong(module, ctx):
-        block = build_attention(module, HFAttentionLayout(), ctx)
+        block = attention_from_layout(module, HFAttentionLayout(), ctx)
         block.use_rope = False  # drops the rotation: outputs differ
         return block
 
@@ -55,7 +55,7 @@ def test_registered_converter_mismatch_is_caught_too():
         with pytest.raises(UnsupportedModelError, match="SkewedAttention"):
             etblocks.swap(model, backend="xnnpack", max_seq_len=32)
     finally:
-        ATTENTION._converters.pop(SkewedAttention)
+        MIXERS._converters.pop(SkewedAttention)
 
 
 def test_max_seq_len_beyond_positions():
@@ -79,8 +79,10 @@ def test_unknown_backend():
 
 def test_unknown_recipe_option():
     _, model = original_and_copy("llama")
-    with pytest.raises(ConfigError, match=r"sdpa='flash' is not accepted; choose one of \['custom', 'dynamic', 'static'\]"):
+    with pytest.raises(ConfigError, match=r"sdpa='flash' \(str\) is not accepted; choose one of \['custom', 'dynamic', 'static'\]"):
         etblocks.swap(model, backend="xnnpack", sdpa="flash")
+    with pytest.raises(ConfigError, match=r"unknown recipe option flash=True; accepted options: \['attention', 'cache'"):
+        etblocks.swap(model, backend="xnnpack", flash=True)
 
 
 def test_qnn_without_sdk_is_unavailable(monkeypatch):
@@ -92,8 +94,7 @@ def test_qnn_without_sdk_is_unavailable(monkeypatch):
 
 
 def test_backend_not_installed(monkeypatch):
-    missing = backends.Backend("openvino", "openvino_not_here", "pip install 'etblocks[openvino]'", "OpenvinoBackend", list)
-    monkeypatch.setitem(backends.BACKENDS, "openvino", missing)
+    monkeypatch.setattr(get_backend("openvino"), "requires", "openvino_not_here")
     _, model = original_and_copy("llama")
     with pytest.raises(BackendUnavailableError, match=r"backend='openvino' is not installed .*pip install 'etblocks\[openvino\]'"):
         etblocks.export(model, backend="openvino", out="unused.pte")
@@ -146,19 +147,19 @@ def test_chunk_larger_than_context():
     with pytest.raises(ConfigError, match=r"chunk=32 is larger than the context max_seq_len=16; give chunk <= 16"):
         etblocks.swap(model, backend="openvino", max_seq_len=16, chunk=32)
     assert_untouched(model, snapshot)
-    with pytest.raises(ConfigError, match=r"chunk=1 is not accepted; give an integer >= 2"):
+    with pytest.raises(ConfigError, match=r"chunk=1 \(int\) is not accepted; give an integer >= 2"):
         etblocks.swap(model, backend="openvino", max_seq_len=16, chunk=1)
 
 
 @pytest.mark.parametrize(
     "backend, options, message",
     [
-        ("coreml", dict(quantize="16a8w"), r"backend='coreml' does not support quantize='16a8w'"),
+        ("coreml", dict(quantize_activations="16a8w"), r"backend='coreml' does not support quantize_activations='16a8w'; it takes: none; Core ML programs are fp32 or fp16"),
         ("xnnpack", dict(attention="sha"), r"attention='sha' is a static block"),
         ("qnn", dict(cache="inplace"), r"attention='sha' is a static block"),
         ("openvino", dict(linear="conv2d"), r"linear='conv2d' applies to the per-head projections of attention='sha'"),
-        ("qnn", dict(quantize="4a4w"), r"quantize='4a4w' is not accepted; choose one of \[None, '16a8w', '16a4w', '8a8w'\]"),
-        ("xnnpack", dict(moe="sparse"), r"moe='sparse' is not accepted; choose one of \['dense', 'gather'\]"),
+        ("qnn", dict(quantize_activations="4a4w"), r"quantize_activations='4a4w'; it takes: \['16a8w', '16a4w', '8a8w'\]"),
+        ("xnnpack", dict(moe="sparse"), r"moe='sparse' \(str\) is not accepted; choose one of \['dense', 'gather'\]"),
     ],
 )
 def test_recipe_option_the_backend_does_not_support(backend, options, message):
@@ -174,12 +175,16 @@ def test_export_options_that_do_not_fit_the_program():
     etblocks.swap(dynamic, backend="xnnpack", max_seq_len=32)
     with pytest.raises(ConfigError, match=r"backend='coreml' takes fixed shapes only"):
         etblocks.export(dynamic, backend="coreml", out="unused.pte")
-    with pytest.raises(ConfigError, match=r"quantize='16a8w' applies to static programs"):
-        etblocks.export(dynamic, backend="xnnpack", out="unused.pte", quantize="16a8w")
+    with pytest.raises(ConfigError, match=r"quantize_activations='16a8w' applies to static programs"):
+        etblocks.export(dynamic, backend="xnnpack", out="unused.pte", quantize_activations="16a8w")
     _, static = original_and_copy("llama")
     etblocks.swap(static, backend="openvino", max_seq_len=32, chunk=8)
-    with pytest.raises(ConfigError, match=r"quantize='int4' is not accepted"):
-        etblocks.export(static, backend="portable", out="unused.pte", quantize="int4")
+    with pytest.raises(ConfigError, match=r"quantize_weights='int4' \(str\) is not accepted"):
+        etblocks.export(static, backend="portable", out="unused.pte", quantize_weights="int4")
+    with pytest.raises(ConfigError, match=r"quantize_activations='16a8w' is not accepted for a model swapped for backend='openvino'.*: \['qnn'\]"):
+        etblocks.export(static, backend="portable", out="unused.pte", quantize_activations="16a8w")
+    with pytest.raises(ConfigError, match=r"backend_options \['chipset'\] are not options of backend='portable'"):
+        etblocks.export(static, backend="portable", out="unused.pte", backend_options={"chipset": "SM8750"})
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,3 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype = torch.float32, mas
     programs take as an input."""
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, masked)
 
-
-def block_sliding_window(block: torch.nn.Module) -> int | None:
-    """The sliding window an attention block attends within (its SDPA's), None for full attention."""
-    return getattr(getattr(block, "sdpa", None), "sliding_window", None)

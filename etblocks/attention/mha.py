@@ -9,8 +9,9 @@ from torch import nn
 
 from etblocks.attention.rope import RotaryEmbedding, apply_rotary, rotation_matrix
 from etblocks.attention.sdpa import SDPA
-from etblocks.kv_cache.base import KVCache
-from etblocks.kv_cache.io import IOKVCache
+from etblocks.state.io import IOKVCache
+from etblocks.state.kv import KVCache
+from etblocks.state.mixer import call_with_state
 
 QKNormLayout = Literal["head", "full", "heads_first"]
 
@@ -35,8 +36,10 @@ class Attention(nn.Module):
     """Multi-head attention with grouped KV heads, rotary embeddings and an owned or caller-owned KV cache.
 
     `forward(x [B, T, D], input_pos [T]) -> [B, T, D]`, where `input_pos` holds the absolute positions of the
-    T tokens (consecutive). With an `IOKVCache` it also takes `kv=(k_cache, v_cache)` and `mask` and returns
-    `(y, k_new, v_new)`; with a `QuantizedIOKVCache`, `kv` and the new rows are the six tensors of its layout.
+    T tokens (consecutive): the mixer contract of `etblocks.state.mixer`. A caller-owned cache (`IOKVCache`)
+    reads the caches and mask its static program binds; called by hand, the block takes them as
+    `kv=(k_cache, v_cache)` (the tensors the cache declares: six for a `QuantizedIOKVCache`) and `mask`, and
+    returns `(y, *new_rows)`.
 
     Projections are `q_proj`, `k_proj`, `v_proj` (or one fused `qkv_proj`) and `o_proj`. Optional `q_norm` /
     `k_norm` apply per head (`"head"`), over the whole projection (`"full"`) or on a `[B, H, T, D]` view
@@ -117,6 +120,8 @@ class Attention(nn.Module):
         return self.sdpa(q, k, v, q_pos, k_pos, mask, sinks=self.sinks)
 
     def forward(self, x: torch.Tensor, input_pos: torch.Tensor, position_embeddings=None, kv=None, mask=None):
+        if kv is not None:
+            return call_with_state(self.kv_cache, kv, mask, lambda: self.forward(x, input_pos, position_embeddings))
         bsz = x.shape[0]
         q, k, v = self.project_qkv(x)
         q, k = self.normalize_qk(q, k, per_head=False)
@@ -127,15 +132,10 @@ class Attention(nn.Module):
         q, k = self.normalize_qk(q, k, per_head=True)
         q, k = self.rotate(q, k, input_pos, position_embeddings)
 
-        if isinstance(self.kv_cache, IOKVCache):
-            if kv is None or mask is None:
-                raise ValueError("an Attention with an IOKVCache needs kv=(k_cache, v_cache) (the tensors of its layout) and an additive mask")
-            k_all, v_all, new_rows = self.kv_cache.update(k, v, *kv)
-            y = self.attend(q, k_all, v_all, input_pos, None, mask)
-            return self.o_proj(y.reshape(bsz, -1, self.n_heads * self.head_dim)), *new_rows
         if self.kv_cache is None:
             k_all, v_all, k_pos = k, v, input_pos
         else:
             k_all, v_all, k_pos = self.kv_cache.update(input_pos, k, v)
+            mask = self.kv_cache.mask if mask is None else mask
         y = self.attend(q, k_all, v_all, input_pos, k_pos, mask)
         return self.o_proj(y.reshape(bsz, -1, self.n_heads * self.head_dim))

@@ -9,8 +9,9 @@ from torch.nn import functional as F
 from etblocks.attention.masks import allowed_keys
 from etblocks.attention.rope import RotaryEmbedding, rotate_half_matrix
 from etblocks.attention.sdpa import attention_math
-from etblocks.kv_cache.base import KVCache
-from etblocks.kv_cache.io import IOKVCache
+from etblocks.state.io import IOKVCache
+from etblocks.state.kv import KVCache
+from etblocks.state.mixer import call_with_state
 
 
 def cos_sin_from_complex(freqs_cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,8 +40,9 @@ class MLAttention(nn.Module):
 
     Per token the cache keeps `kv_lora_rank` (r) normed latent values and `qk_rope_head_dim` (R) values of the
     roped key shared by all heads, in a one-head cache: `k_cache [B, S, 1, r]` holds the latent, `v_cache
-    [B, S, 1, R]` the roped key. With an `IOKVCache` the block takes `kv=(latent_cache, rope_cache)` and the
-    caller's additive `mask [T, S + T]` and returns `(y, latent_new [B, T, 1, r], rope_new [B, T, 1, R])`.
+    [B, S, 1, R]` the roped key. An `IOKVCache` reads the caches and the additive `mask [T, S + T]` its static
+    program binds; called by hand the block takes them as `kv=(latent_cache, rope_cache)` and `mask` and returns
+    `(y, latent_new [B, T, 1, r], rope_new [B, T, 1, R])`.
 
     Two equal ways to attend over S keys (all slots of a StaticKVCache, filled or not) with H heads,
     n = qk_nope_head_dim, v = v_head_dim (multiply-adds):
@@ -208,7 +210,9 @@ class MLAttention(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor] | None = None,
         mask: torch.Tensor | None = None,
     ):
-        """`x [B, T, D]`, `input_pos [T]` -> `y [B, T, D]`; with an `IOKVCache`, `(y, latent_new, rope_new)`."""
+        """`x [B, T, D]`, `input_pos [T]` -> `y [B, T, D]`; given `kv`, `(y, latent_new, rope_new)`."""
+        if kv is not None:
+            return call_with_state(self.kv_cache, kv, mask, lambda: self.forward(x, input_pos, position_embeddings))
         bsz, heads, nope, rank = x.shape[0], self.n_heads, self.qk_nope_head_dim, self.kv_lora_rank
         if position_embeddings is None:
             if self.rope is None:
@@ -223,16 +227,13 @@ class MLAttention(nn.Module):
         k_rope = self.rotate(compressed[..., rank:].reshape(bsz, -1, 1, self.qk_rope_head_dim), cos, sin)
 
         attend = self.attend_absorbed if self.absorb else self.attend_expanded
-        if isinstance(self.kv_cache, IOKVCache):
-            if kv is None or mask is None:
-                raise ValueError("an MLAttention with an IOKVCache needs kv=(latent_cache, rope_cache) and an additive mask")
-            latent_all, rope_all, new_rows = self.kv_cache.update(latent, k_rope, *kv)
-            y = attend(q_nope, q_rope, latent_all, rope_all, mask)
-            return self.o_proj(y), *new_rows
         if self.kv_cache is None:
             latent_all, rope_all, k_pos = latent, k_rope, input_pos
         else:
             latent_all, rope_all, k_pos = self.kv_cache.update(input_pos, latent, k_rope)
+            mask = self.kv_cache.mask if mask is None else mask
         if mask is None:
+            if k_pos is None:
+                raise ValueError("an MLAttention with a caller-owned cache needs the caller's additive mask")
             mask = allowed_keys(input_pos, k_pos)
         return self.o_proj(attend(q_nope, q_rope, latent_all, rope_all, mask))

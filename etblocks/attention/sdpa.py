@@ -15,12 +15,7 @@ import torch
 from torch import nn
 
 from etblocks.attention.masks import allowed_keys
-from etblocks.kv_cache.quantized import quantize_rows
-
-
-def load_llama_custom_ops() -> None:
-    """Register `llama::custom_sdpa` / `llama::update_cache` with torch and the ExecuTorch runtime."""
-    from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401
+from etblocks.ops import load_llama_custom_ops, quantize_rows
 
 
 def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:

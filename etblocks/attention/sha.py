@@ -18,7 +18,8 @@ from etblocks.attention.masks import additive_mask
 from etblocks.attention.mha import Attention, check_rope, check_sinks
 from etblocks.attention.rope import RotaryEmbedding, rotate_half, rotate_pairs
 from etblocks.attention.sdpa import SDPA, softmax_with_sinks
-from etblocks.kv_cache.io import IOKVCache
+from etblocks.state.io import IOKVCache
+from etblocks.state.mixer import call_with_state
 
 RotaryTables = tuple[torch.Tensor, torch.Tensor]
 
@@ -74,10 +75,11 @@ def _head_views(proj: nn.Linear, parts: list[ProjectionPart], conv2d: bool) -> l
 class SingleHeadAttention(nn.Module):
     """Attention as H single-head computations on `[B, T, Dh]` tensors; GQA by reading KV head `h // (H / Hkv)`.
 
-    `forward(x [B, T, D], input_pos [T], position_embeddings=None, kv=None, mask=None)`:
-    - with an `IOKVCache`: `kv=(k_cache, v_cache)`, each `[B, S, Hkv, Dh]`, and `mask [T, S + T]`; returns
-      `(y [B, T, D], k_new, v_new)` with the new rows `[B, T, Hkv, Dh]` for the caller to write back.
-    - with no cache: `mask [T, T]`; returns `y`.
+    `forward(x [B, T, D], input_pos [T], position_embeddings=None, kv=None, mask=None) -> y [B, T, D]`:
+    - with an `IOKVCache`: it reads the caches `[B, S, Hkv, Dh]` and mask `[T, S + T]` its static program binds
+      and emits the new rows `[B, T, Hkv, Dh]`; called by hand it takes them as `kv=(k_cache, v_cache)` and
+      `mask` and returns `(y, k_new, v_new)`.
+    - with no cache: `mask [T, T]`.
     The mask is additive (a boolean one is converted); it alone decides which keys are read, so a sliding
     window lives in the caller's mask (`sdpa.sliding_window` is kept for callers that build it).
 
@@ -207,13 +209,13 @@ class SingleHeadAttention(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor] | None = None,
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if kv is not None:
+            return call_with_state(self.kv_cache, kv, mask, lambda: self.forward(x, input_pos, position_embeddings))
+        caches = None if self.kv_cache is None else self.kv_cache.bound()
+        if mask is None and self.kv_cache is not None:
+            mask = self.kv_cache.mask
         if mask is None:
             raise ValueError("SingleHeadAttention is a static block: it needs the caller's additive `mask` [T, S]")
-        if (kv is None) != (self.kv_cache is None):
-            raise ValueError(
-                "give kv=(k_cache, v_cache) exactly when the block has an IOKVCache; "
-                f"kv_cache={type(self.kv_cache).__name__}, kv given: {kv is not None}"
-            )
         if mask.dtype == torch.bool:
             mask = additive_mask(mask, x.dtype)
         tables = self.rotary_tables(input_pos, position_embeddings)
@@ -222,10 +224,10 @@ class SingleHeadAttention(nn.Module):
 
         k_new = [self.rotate_head(self.project_head(proj, x, self.k_norm), tables) for proj in self.k_heads]
         v_new = [self.project_head(proj, x) for proj in self.v_heads]
-        if kv is None:
+        if caches is None:
             keys, values = k_new, v_new
         else:
-            k_cache, v_cache = kv
+            k_cache, v_cache = caches
             keys = [torch.cat((k_cache[:, :, j], k), dim=1) for j, k in enumerate(k_new)]
             values = [torch.cat((v_cache[:, :, j], v), dim=1) for j, v in enumerate(v_new)]
 
@@ -238,6 +240,6 @@ class SingleHeadAttention(nn.Module):
             # A `[1]` slice, not a 0-d `sinks[h]`: QNN's export passes break on the expanded 0-d constant.
             heads.append(self.attend_head(*args) if self.sinks is None else self.attend_head(*args, self.sinks[h : h + 1]))
         y = self.o_proj(torch.cat(heads, dim=-1))
-        if kv is None:
-            return y
-        return y, torch.stack(k_new, dim=2), torch.stack(v_new, dim=2)
+        if caches is not None:
+            self.kv_cache.emit(torch.stack(k_new, dim=2), torch.stack(v_new, dim=2))
+        return y

@@ -1,14 +1,15 @@
 """The static program contract: what `prefill` and `decode` take and return, recorded in the program itself.
 
-A static program has fixed shapes. With caller-owned ("io") caches its methods take
-`(tokens int64 [1, T], positions int64 [1, T], *masks, *caches)` and return `(logits [1, T, V], *new_rows)`:
-- one additive mask `[T, L + T]` per cache group (full attention, or a sliding window W with its own length L),
-- per layer `k_cache`, `v_cache` `[1, L, Hkv, Dk]`, `[1, L, Hkv, Dv]` of its group's length, and the T new rows
-  of each (`[1, T, Hkv, Dk]`, `[1, T, Hkv, Dv]`). An int8 cache (`kv_quantize="int8"`) has six tensors per layer:
-  int8 `k_cache`, float32 `k_scales` and int8 `k_zero_points` `[1, L, Hkv, 1]`, the same for v
-  (`etblocks.kv_cache.io.io_cache_layout`).
-With in-place caches (hybrid partition) they take `(tokens int64 [1, T], input_pos int64 [1])` and return the
-last token's logits `[1, V]`, like the dynamic contract at fixed T.
+A static program has fixed shapes. With caller-owned state ("io") its methods take
+`(tokens int64 [1, T], positions int64 [1, T], *masks, *state)` and return `(logits [1, T, V], *updates)`:
+- one additive mask `[T, L + T]` per mask group: the positional state (K/V rows) of full attention (L = the
+  context), or of one sliding window W (L = W rows used as a ring);
+- every tensor each mixer's state declares (`etblocks.state.StateSpec`: name, shape, dtype, update kind), in
+  program order, and one update of each: new rows for `rows`, `ring` and `window` state, the whole new tensor
+  for `replace` state (`etblocks.state.spec` says how the caller applies each). An attention layer declares
+  `k_cache`, `v_cache` (six tensors in int8); MLA keeps its latent as k and the shared roped key as v.
+With in-place state (hybrid partition) the methods take `(tokens int64 [1, T], input_pos int64 [1])` and return
+the last token's logits `[1, V]`, like the dynamic contract at fixed T.
 A program exported with LoRA adapters takes, after those, the slots of the active adapter: `slot_a [in, r]` and
 `slot_b [r, out]` per entry of `adapters` (see `etblocks.export.adapters`; zeros: the base model).
 
@@ -18,21 +19,22 @@ The contract travels as JSON in the program's `etblocks_contract` method, so a r
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import asdict, dataclass
 
 import torch
 
 from etblocks.export.adapters import AdapterSlot, AdapterTable
-from etblocks.kv_cache.io import CacheTensor, io_cache_layout
+from etblocks.state.spec import PADDABLE, StateSpec
 
 CONTRACT_METHOD = "etblocks_contract"
-CONTRACT_VERSION = "etblocks.static/1"
+CONTRACT_VERSION = "etblocks.static/2"
 
 
 @dataclass(frozen=True)
-class CacheGroup:
-    """Layers that share one mask: full attention (`window=None`, `length` = the context) or one sliding window
-    (`length` = `window` rows used as a ring: position p lives in row p % length)."""
+class MaskGroup:
+    """Positional state read under one mask: full attention (`window=None`, `length` = the context) or one sliding
+    window (`length` = `window` rows used as a ring: position p lives in row p % length)."""
 
     name: str
     length: int
@@ -40,16 +42,26 @@ class CacheGroup:
 
 
 @dataclass(frozen=True)
-class LayerCache:
-    """One layer's two caches: `k` rows `[n_kv_heads, k_dim]` and `v` rows `[n_kv_heads, v_dim]` per position,
-    in the program's dtype or, with `kv_quantize="int8"`, in int8 with per-row scales and zero points. MLA layers
-    keep one "head": the compressed latent as k and the shared roped key as v."""
+class StateInput:
+    """One caller-owned state tensor: the `state` it belongs to (its index among the program's states, and the
+    module path `owner` of that `State`), its declaration, and the mask group it is read under (positional
+    state only)."""
 
-    group: str
-    n_kv_heads: int
-    k_dim: int
-    v_dim: int
-    kv_quantize: str | None = None
+    state: int
+    owner: str
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    update: str
+    mask: str | None = None
+
+    @classmethod
+    def declared(cls, state: int, owner: str, spec: StateSpec, mask: str | None) -> StateInput:
+        return cls(state, owner, spec.name, spec.shape, str(spec.dtype).removeprefix("torch."), spec.update, mask)
+
+    @property
+    def spec(self) -> StateSpec:
+        return StateSpec(self.name, self.shape, getattr(torch, self.dtype), self.update)
 
 
 @dataclass(frozen=True)
@@ -58,10 +70,10 @@ class StaticContract:
     max_context_len: int
     vocab_size: int
     cache: str  # "io" or "inplace"
-    dtype: str  # masks and caches, e.g. "float32"
+    dtype: str  # masks and float state, e.g. "float32"
     mask_value: float  # what masked mask entries hold
-    groups: tuple[CacheGroup, ...] = ()
-    layers: tuple[LayerCache, ...] = ()
+    masks: tuple[MaskGroup, ...] = ()
+    states: tuple[StateInput, ...] = ()
     adapters: tuple[AdapterSlot, ...] = ()
 
     @property
@@ -77,42 +89,39 @@ class StaticContract:
     def adapter_table(self) -> AdapterTable:
         return AdapterTable(self.adapters, self.dtype)
 
-    def group(self, name: str) -> CacheGroup:
-        return next(g for g in self.groups if g.name == name)
+    @property
+    def paddable(self) -> bool:
+        """Whether a short call may go through `prefill` padded at the end: only when the caller drops the padding
+        rows of every update (in-place state would store them; `replace` state folds them in)."""
+        return self.cache == "io" and all(s.update in PADDABLE for s in self.states)
 
-    def cache_tensors(self) -> list[tuple[int, CacheTensor]]:
-        """`(layer, tensor)` for every cache input in order: `[1, L, Hkv, Dk]`, `[1, L, Hkv, Dv]` per layer (or
-        its int8 layout); the new rows come back in the same order, with T rows."""
-        tensors = []
-        for i, spec in enumerate(self.layers):
-            length = self.group(spec.group).length
-            layout = io_cache_layout(spec.n_kv_heads, spec.k_dim, spec.v_dim, length, self.torch_dtype, spec.kv_quantize)
-            tensors += [(i, tensor) for tensor in layout]
-        return tensors
+    def mask(self, name: str) -> MaskGroup:
+        return next(g for g in self.masks if g.name == name)
 
-    def cache_shapes(self) -> list[tuple[int, ...]]:
-        return [tensor.shape for _, tensor in self.cache_tensors()]
+    def state_shapes(self) -> list[tuple[int, ...]]:
+        return [s.shape for s in self.states]
 
     def inputs(self) -> list[str]:
         slots = [f"slot_{ab}.{i}" for i in range(len(self.adapters)) for ab in ("a", "b")]
         if self.cache == "inplace":
             return ["tokens", "input_pos", *slots]
-        caches = [f"{tensor.name}.{i}" for i, tensor in self.cache_tensors()]
-        return ["tokens", "positions", *(f"mask.{g.name}" for g in self.groups), *caches, *slots]
+        state = [f"{s.name}.{s.state}" for s in self.states]
+        return ["tokens", "positions", *(f"mask.{g.name}" for g in self.masks), *state, *slots]
 
     def outputs(self) -> list[str]:
         if self.cache == "inplace":
             return ["logits_last"]
-        return ["logits", *(f"{tensor.name.removesuffix('_cache')}_new.{i}" for i, tensor in self.cache_tensors())]
+        return ["logits", *(f"{s.name.removesuffix('_cache')}_new.{s.state}" for s in self.states)]
 
     def __str__(self) -> str:
-        groups = ", ".join(
-            f"{g.name} ({g.length} rows) x{sum(layer.group == g.name for layer in self.layers)} layers" for g in self.groups
-        )
-        kv_dtype = next((layer.kv_quantize for layer in self.layers if layer.kv_quantize), self.dtype)
-        caches = f"{self.cache} caches ({kv_dtype})" + (f": {groups}" if groups else "")
+        owners = {s.state: s.mask for s in self.states}
+        groups = [f"{g.name} ({g.length} rows) x{sum(m == g.name for m in owners.values())}" for g in self.masks]
+        kinds = Counter(s.update for s in self.states if s.mask is None)
+        other = [f"{kind} x{n} tensors" for kind, n in kinds.items()]
+        dtypes = sorted({s.dtype for s in self.states}) or [self.dtype]
+        state = f"{self.cache} state ({', '.join(dtypes)})" + (f": {', '.join(groups + other)}" if groups or other else "")
         slots = f", LoRA slots in {len(self.adapters)} layers" if self.adapters else ""
-        return f"prefill T={self.chunk}, decode T=1, context {self.max_context_len}, {caches}{slots}"
+        return f"prefill T={self.chunk}, decode T=1, context {self.max_context_len}, {state}{slots}"
 
     def to_json(self) -> str:
         body = asdict(self)
@@ -123,7 +132,10 @@ class StaticContract:
     def from_json(cls, text: str) -> StaticContract:
         body = json.loads(text)
         if body.get("contract") != CONTRACT_VERSION:
-            raise ValueError(f"unknown program contract {body.get('contract')!r}; this etblocks reads {CONTRACT_VERSION!r}")
+            raise ValueError(
+                f"unknown program contract {body.get('contract')!r}; this etblocks reads {CONTRACT_VERSION!r} "
+                "(export the model again with this etblocks)"
+            )
         return cls(
             chunk=body["chunk"],
             max_context_len=body["max_context_len"],
@@ -131,8 +143,8 @@ class StaticContract:
             cache=body["cache"],
             dtype=body["dtype"],
             mask_value=body["mask_value"],
-            groups=tuple(CacheGroup(**g) for g in body["groups"]),
-            layers=tuple(LayerCache(**layer) for layer in body["layers"]),
+            masks=tuple(MaskGroup(**g) for g in body["masks"]),
+            states=tuple(StateInput(**{**s, "shape": tuple(s["shape"])}) for s in body["states"]),
             adapters=tuple(AdapterSlot.from_dict(slot) for slot in body.get("adapters", [])),
         )
 

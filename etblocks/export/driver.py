@@ -6,13 +6,14 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from etblocks.adapters import adapter_names
 from etblocks.adapters.files import adapter_tensors, save_adapter_file
+from etblocks.backends import Backend, Readiness, backends, get_backend
 from etblocks.errors import ConfigError
 from etblocks.export.adapters import (
     ADAPTERS_METHOD,
@@ -23,26 +24,25 @@ from etblocks.export.adapters import (
     lora_layers,
     set_adapter_program,
 )
-from etblocks.export.backends import get_backend, partitioners_for
 from etblocks.export.delegation import DelegationSummary, summarize
-from etblocks.export.passes import apply_backend_passes
 from etblocks.export.hybrid import attention_on_cpu
-from etblocks.export.programs import dynamic_program, static_program
-
-if TYPE_CHECKING:
-    from etblocks.export.qnn import QnnReadiness
+from etblocks.export.programs import DynamicProgram, StaticProgram, dynamic_program, static_program
 from etblocks.export.quantize import quantize_static
-from etblocks.export.weights import WEIGHT_SCHEMES, WeightQuantization, quantized_weights, weight_quantization
-from etblocks.kv_cache.base import reset_caches
-from etblocks.swap.recipes import QUANTIZE_QNN, check_int8_io_cache_lowers
+from etblocks.export.weights import WeightQuantization, quantized_weights, weight_quantization
+from etblocks.ops import load_llama_custom_ops
+from etblocks.options import DEFAULT_GROUP_SIZE, OPTIONS, check
+from etblocks.state.base import reset_states
+from etblocks.swap.recipes import Recipe, check_lowers
 
 Progress = Callable[[str], None]
+AUTO = "auto"
 
 
 @dataclass
 class ExportResult:
-    """`delegations` holds one summary per method; `delegation` adds them up. `adapters` maps each adapter
-    loaded into the model to its `.ptd` file (switched at run time by `Runner.set_adapter`)."""
+    """`delegations` holds one summary per method; `delegation` adds them up. `quantize` says what quantization was
+    applied (None: none). `adapters` maps each adapter loaded into the model to its `.ptd` file (switched at run time
+    by `Runner.set_adapter`)."""
 
     path: Path
     backend: str
@@ -62,6 +62,28 @@ class ExportResult:
         return self.path.stat().st_size / 1e6
 
 
+@dataclass(frozen=True)
+class ExportPlan:
+    """Everything an export does, checked before any work: the backend and its options, the context, the token
+    metadata overrides, and the two kinds of quantization (torchao `weights`; calibrated `activations`, resolved
+    against the swap's recipe)."""
+
+    backend: Backend
+    backend_options: dict[str, Any]
+    max_seq_len: int | None = None
+    bos_id: int | None = None
+    eos_ids: list[int] | None = None
+    vocab_size: int | None = None
+    weights: WeightQuantization | None = None
+    activations: str | None = None
+    calibration: list[list[int]] | None = None
+    say: Progress = field(default=lambda message: None, repr=False)
+
+    @property
+    def applied(self) -> str | None:
+        return self.activations or (str(self.weights) if self.weights else None)
+
+
 def export(
     model: nn.Module,
     backend: str = "xnnpack",
@@ -69,18 +91,20 @@ def export(
     *,
     max_seq_len: int | None = None,
     bos_id: int | None = None,
-    eos_ids: list[int] | None = None,
+    eos_ids: Sequence[int] | None = None,
     vocab_size: int | None = None,
-    quantize: str | None = "auto",
-    group_size: int = 32,
+    quantize_weights: str | None = None,
+    group_size: int = DEFAULT_GROUP_SIZE,
     quantize_embedding: str | None = None,
+    quantize_activations: str | None = AUTO,
     calibration: Iterable[Sequence[int]] | None = None,
+    backend_options: Mapping[str, Any] | None = None,
     progress: Progress | None = None,
 ) -> ExportResult:
     """Export, lower and save.
 
     A model swapped for dynamic shapes (or built from blocks) becomes `forward(tokens[1, T], input_pos[1]) ->
-    logits[1, V]` with T dynamic up to `max_seq_len` (default: the swap's), KV caches as mutable buffers, and the
+    logits[1, V]` with T dynamic up to `max_seq_len` (default: the swap's), state as mutable buffers, and the
     metadata methods ExecuTorch's LLM runner reads. A model swapped with static shapes becomes `prefill` and
     `decode` over one copy of the weights, with the contract of `etblocks.export.contract` recorded in the
     program. Any backend takes either program, so an NPU swap can be checked on the host.
@@ -91,18 +115,25 @@ def export(
     name>.ptd`); the program starts as the base model. A quantized static program is calibrated with every
     adapter and with none.
 
-    `quantize`: for static programs a QnnQuantizer precision ("16a8w", "16a4w", "8a8w"); "auto" takes the
-    recipe's when exporting to the recipe's own backend (16a8w for qnn), else None. `calibration` holds token id
-    lists run through the program to calibrate (default: `quantize.default_calibration_prompts`, seeded random ids).
-    For backend="xnnpack" (dynamic or static programs) a torchao weight scheme: "8da4w" (int8 dynamic
-    activations, int4 weights with a scale per `group_size` inputs) or "8da8w" (int8 weights, a scale per output
-    channel); `quantize_embedding="int8"` stores the embedding as int8 rows (see `etblocks.export.weights`). The
-    model itself keeps its float weights. `ExportResult.quantize` says what was applied.
-    Errors (`ConfigError`, `BackendUnavailableError`) come before any work.
+    Two kinds of quantization, each for the backends that run it (see `etblocks.export.weights`):
+    - `quantize_weights`: torchao weight schemes for a backend with such kernels (xnnpack): "8da4w" (int8 dynamic
+      activations, int4 weights with a scale per `group_size` inputs) or "8da8w" (int8 weights, a scale per
+      output channel); `quantize_embedding="int8"` stores the embedding as int8 rows. Dynamic or static programs.
+    - `quantize_activations`: calibrated (pt2e) quantization of a static program by the quantizer of the backend
+      the model was swapped for (qnn: "16a8w", "16a4w", "8a8w"); "auto" takes that backend's default when
+      exporting to it (16a8w for qnn), else none. `calibration` holds token id lists run through the program to
+      calibrate (default: `quantize.default_calibration_prompts`, seeded random ids).
+    The model itself keeps its float weights. `ExportResult.quantize` says what was applied. `backend_options`:
+    the backend's own options (e.g. qnn's `chipset`). Errors (`ConfigError`, `BackendUnavailableError`) come
+    before any work.
     """
-    say = progress or (lambda message: None)
-    partitioners = partitioners_for(backend)  # typed errors before any work
-    weights = _weight_quantization(backend, quantize, group_size, quantize_embedding)
+    partitioners = get_backend(backend).usable_partitioners(backend_options)  # typed errors before any work
+    plan = make_plan(
+        model, backend, max_seq_len=max_seq_len, bos_id=bos_id, eos_ids=eos_ids, vocab_size=vocab_size,
+        quantize_weights=quantize_weights, group_size=group_size, quantize_embedding=quantize_embedding,
+        quantize_activations=quantize_activations, calibration=calibration, backend_options=backend_options,
+        progress=progress,
+    )
     info = getattr(model, "etblocks_swap", None)
     if info is not None and info.recipe.partition == "hybrid":
         partitioners = [attention_on_cpu(p) for p in partitioners]
@@ -111,17 +142,13 @@ def export(
     if slotted:
         partitioners = [keep_slots_on_cpu(p) for p in partitioners]
     start = time.perf_counter()
-    static_quantize = None if quantize in WEIGHT_SCHEMES else quantize  # QnnQuantizer's, for static programs
-    program, exported, quantize = _export_methods(
-        model, backend, max_seq_len, bos_id, eos_ids, vocab_size, static_quantize, calibration, say, weights
-    )
-    quantize = quantize or (str(weights) if weights else None)
+    program, exported = _export_methods(model, plan)
     for ep in exported.values():
-        apply_backend_passes(ep, backend)
+        plan.backend.apply_passes(ep)
     seconds = {"export": time.perf_counter() - start}
 
     start = time.perf_counter()
-    say(f"lowering to {backend}")
+    plan.say(f"lowering to {plan.backend.name}")
     from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 
     edge = to_edge_transform_and_lower(
@@ -134,7 +161,7 @@ def export(
     seconds["lower"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    say("serializing")
+    plan.say("serializing")
     executorch_program = edge.to_executorch(_backend_config(share_mutable_buffers=slotted))
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -145,119 +172,162 @@ def export(
             adapters[name] = save_adapter_file(adapter_tensors(model, name), adapter_file(path, name))
     seconds["serialize"] = time.perf_counter() - start
     methods = [*exported, *program.metadata]
-    result = ExportResult(path, backend, methods, program.metadata, delegations, seconds, quantize, adapters)
-    say(f"wrote {path} ({result.size_mb:.1f} MB); {result.delegation}")
+    result = ExportResult(path, plan.backend.name, methods, program.metadata, delegations, seconds, plan.applied, adapters)
+    plan.say(f"wrote {path} ({result.size_mb:.1f} MB); {result.delegation}")
     for name, file in adapters.items():
-        say(f"wrote adapter {name!r} to {file} ({file.stat().st_size / 1e6:.2f} MB)")
+        plan.say(f"wrote adapter {name!r} to {file} ({file.stat().st_size / 1e6:.2f} MB)")
     return result
 
 
-def check_qnn(
+def check_readiness(
     model: nn.Module,
+    backend: str,
     *,
     max_seq_len: int | None = None,
-    quantize: str | None = "auto",
+    quantize_activations: str | None = AUTO,
     calibration: Iterable[Sequence[int]] | None = None,
     progress: Progress | None = None,
-) -> dict[str, QnnReadiness]:
-    """QNN readiness without the Qualcomm SDK: the program `export(model, backend="qnn")` would lower (static,
-    quantized as it would be) checked op by op against ExecuTorch's registered QNN op builders, plus static
-    shapes and dtypes. One report per method; `format_readiness` prints them."""
-    from etblocks.export.qnn import qnn_readiness
+) -> Readiness:
+    """The backend's readiness report of the program `export(model, backend=...)` would lower (exported and
+    quantized as it would be), for backends whose lowering cannot run here (qnn without the Qualcomm SDK: every op
+    checked against ExecuTorch's registered QNN op builders, plus static shapes and dtypes). `str(report)` prints
+    it; `report.ready` says whether nothing was found in the way."""
+    plan = make_plan(
+        model, backend, max_seq_len=max_seq_len, quantize_activations=quantize_activations, calibration=calibration,
+        progress=progress,
+    )
+    if not plan.backend.has_readiness:
+        offered = sorted(b.name for b in backends() if b.has_readiness)
+        raise ConfigError(f"backend={backend!r} offers no readiness check (backends that do: {offered}); export to it instead")
+    _, exported = _export_methods(model, plan)
+    plan.say(f"checking the program for {backend}")
+    return plan.backend.readiness(exported)
 
-    say = progress or (lambda message: None)
-    _, exported, _ = _export_methods(model, "qnn", max_seq_len, None, None, None, quantize, calibration, say)
-    say("checking every op against the QNN op builders")
-    return qnn_readiness(exported)
 
-
-def _export_methods(model, backend, max_seq_len, bos_id, eos_ids, vocab_size, quantize, calibration, say, weights=None):
-    """The program and its methods exported (and, for static programs, quantized) for `backend`. `weights`:
-    torchao weight quantization applied for the time of the export (`etblocks.export.weights`)."""
+def make_plan(
+    model: nn.Module,
+    backend: str,
+    *,
+    max_seq_len: int | None = None,
+    bos_id: int | None = None,
+    eos_ids: Sequence[int] | None = None,
+    vocab_size: int | None = None,
+    quantize_weights: str | None = None,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    quantize_embedding: str | None = None,
+    quantize_activations: str | None = AUTO,
+    calibration: Iterable[Sequence[int]] | None = None,
+    backend_options: Mapping[str, Any] | None = None,
+    progress: Progress | None = None,
+) -> ExportPlan:
+    """The export's plan with every option checked (`ConfigError` naming it), before any work."""
+    spec = get_backend(backend)
+    options = spec.check_options(backend_options)
+    weights = weight_quantization(spec, quantize_weights, group_size, quantize_embedding)
     info = getattr(model, "etblocks_swap", None)
-    static = info is not None and info.recipe.static
-    if not static and not get_backend(backend).dynamic_shapes:
+    recipe = info.recipe if info is not None else None
+    if not (recipe is not None and recipe.static) and not spec.dynamic_shapes:
         raise ConfigError(
             f"backend={backend!r} takes fixed shapes only; swap with etblocks.swap(model, backend={backend!r}) "
             "or shapes='static' to get the static prefill/decode program"
         )
-    if not static:
-        if quantize not in (None, "auto"):
-            raise ConfigError(f"quantize={quantize!r} applies to static programs; swap with shapes='static' (or backend='qnn')")
-        program = dynamic_program(model, max_seq_len, bos_id=bos_id, eos_ids=eos_ids, vocab_size=vocab_size)
-        say(f"exporting with torch.export (T dynamic in 1..{program.max_call_len}, context {program.max_seq_len})")
-        with _weights_quantized(model, program.module, program.example_inputs(), weights, say):
+    activations = _activations(recipe, spec, quantize_activations)
+    if weights is not None and activations is not None:
+        raise ConfigError(
+            f"quantize_weights / quantize_embedding ({weights}) and quantize_activations={activations!r} do not "
+            "combine: calibrated quantization quantizes the weights itself"
+        )
+    if weights is not None and recipe is not None and recipe.linear == "conv2d":
+        raise ConfigError(
+            f"{weights} weight quantization takes linear projections; this swap's recipe has linear='conv2d' (1x1 "
+            f"convolutions for an NPU): swap with etblocks.swap(model, backend={backend!r}, shapes='static') instead"
+        )
+    if recipe is not None:
+        check_lowers(recipe, backend)
+    return ExportPlan(
+        backend=spec,
+        backend_options=options,
+        max_seq_len=max_seq_len,
+        bos_id=None if bos_id is None else check(OPTIONS["bos_id"], bos_id),
+        eos_ids=None if eos_ids is None else check(OPTIONS["eos_ids"], list(eos_ids)),
+        vocab_size=vocab_size,
+        weights=weights,
+        activations=activations,
+        calibration=None if calibration is None else [list(prompt) for prompt in calibration],
+        say=progress or (lambda message: None),
+    )
+
+
+def _activations(recipe: Recipe | None, backend: Backend, requested: str | None) -> str | None:
+    """The calibrated quantization to apply: "auto" is the swap's default when exporting to the swap's backend."""
+    if requested == AUTO:
+        return recipe.quantize_activations if recipe is not None and backend.name == recipe.backend else None
+    requested = check(OPTIONS["quantize_activations"], requested)
+    if requested is None:
+        return None
+    if recipe is None or not recipe.static:
+        raise ConfigError(
+            f"quantize_activations={requested!r} applies to static programs; swap with shapes='static' (or for a backend "
+            "with static programs)"
+        )
+    swapped_for = get_backend(recipe.backend)
+    if requested not in swapped_for.activation_schemes:
+        offering = sorted(b.name for b in backends() if requested in b.activation_schemes)
+        raise ConfigError(
+            f"quantize_activations={requested!r} is not accepted for a model swapped for backend={recipe.backend!r} "
+            f"(it quantizes with: {list(swapped_for.activation_schemes) or 'none'}); backends whose quantizer has it: "
+            f"{offering or 'none'}"
+        )
+    if not recipe.caller_owned:
+        raise ConfigError(
+            f"quantize_activations={requested!r} needs the static program with cache='io'; this swap has cache={recipe.cache!r}"
+        )
+    return requested
+
+
+def _export_methods(model: nn.Module, plan: ExportPlan) -> tuple[DynamicProgram | StaticProgram, dict]:
+    """The program and its methods exported (and, for static programs, quantized) as `plan` says; torchao weight
+    quantization is applied for the time of the export only (`etblocks.export.weights`)."""
+    info = getattr(model, "etblocks_swap", None)
+    tokens = dict(bos_id=plan.bos_id, eos_ids=plan.eos_ids)
+    if not (info is not None and info.recipe.static):
+        program = dynamic_program(model, plan.max_seq_len, vocab_size=plan.vocab_size, **tokens)
+        plan.say(f"exporting with torch.export (T dynamic in 1..{program.max_call_len}, context {program.max_seq_len})")
+        with _weights_quantized(model, program.module, program.example_inputs(), plan):
             if not lora_layers(program.module):
                 forward = _torch_export(program.module, program.example_inputs(), program.dynamic_shapes())
-                return program, {"forward": forward}, None
+                return program, {"forward": forward}
             with adapter_slots(program.module) as table:
-                say(f"with LoRA slots in {len(table.slots)} layers and a {SET_ADAPTER_METHOD} method")
+                plan.say(f"with LoRA slots in {len(table.slots)} layers and a {SET_ADAPTER_METHOD} method")
                 forward = _torch_export(program.module, program.example_inputs(), program.dynamic_shapes())
                 exported = {"forward": forward, SET_ADAPTER_METHOD: set_adapter_program(program.module, table, _torch_export)}
         program.metadata[ADAPTERS_METHOD] = table.as_constant()
-        return program, exported, None
-    if info.recipe.kv_quantize is not None and info.recipe.cache == "io":
-        check_int8_io_cache_lowers(backend)
-    quantize = _static_quantize(info.recipe, backend, quantize)
-    if weights is not None and info.recipe.linear == "conv2d":
-        raise ConfigError(
-            f"{weights} weight quantization takes linear projections; this swap's recipe has linear='conv2d' (1x1 "
-            f"convolutions for QNN): swap with etblocks.swap(model, backend={backend!r}, shapes='static') instead"
-        )
-    calibration = None if calibration is None else [list(prompt) for prompt in calibration]
-    program = static_program(model, max_seq_len, bos_id=bos_id, eos_ids=eos_ids, quantized=quantize is not None)
-    say(f"exporting prefill (T={program.contract.chunk}) and decode (T=1) with static shapes")
-    with _weights_quantized(model, program.module, program.example_inputs("decode"), weights, say):
+        return program, exported
+    program = static_program(model, plan.max_seq_len, quantized=plan.activations is not None, **tokens)
+    plan.say(f"exporting prefill (T={program.contract.chunk}) and decode (T=1) with static shapes")
+    with _weights_quantized(model, program.module, program.example_inputs("decode"), plan):
         exported = {name: _torch_export(program.module, program.example_inputs(name)) for name in program.contract.methods}
-    if quantize is not None:
+    if plan.activations is not None:
         adapters = [program.contract.adapter_table.inputs(adapter_tensors(model, name)) for name in adapter_names(model)]
         with_adapters = f", with {len(adapters)} adapters and without" if adapters else ""
-        say(f"quantizing with QnnQuantizer ({quantize}) on {len(calibration) if calibration else 'default'} calibration prompts{with_adapters}")
-        exported = quantize_static(exported, program.contract, quantize, calibration, adapters)
-    return program, exported, quantize
-
-
-def _weight_quantization(backend: str, quantize, group_size, quantize_embedding) -> WeightQuantization | None:
-    """`quantize` checked against both families (QnnQuantizer precisions, torchao weight schemes) and the
-    torchao weight quantization asked for, before any work."""
-    accepted = (None, "auto", *QUANTIZE_QNN, *WEIGHT_SCHEMES)
-    if quantize not in accepted:
-        raise ConfigError(
-            f"quantize={quantize!r} is not accepted; choose one of {list(accepted)}: QnnQuantizer precisions "
-            f"{list(QUANTIZE_QNN)} for static programs, torchao weight schemes {list(WEIGHT_SCHEMES)} for backend='xnnpack'"
-        )
-    weights = weight_quantization(backend, quantize, group_size, quantize_embedding)
-    if weights is not None and quantize in QUANTIZE_QNN:
-        raise ConfigError(
-            f"quantize_embedding={quantize_embedding!r} is torchao weight quantization; it does not combine with the "
-            f"QnnQuantizer precision quantize={quantize!r}"
-        )
-    return weights
+        prompts = f"{len(plan.calibration)}" if plan.calibration else "default"
+        plan.say(f"quantizing ({plan.activations}) on {prompts} calibration prompts{with_adapters}")
+        quantizer = get_backend(info.recipe.backend).quantizer(plan.activations)
+        exported = quantize_static(exported, program.contract, quantizer, plan.calibration, adapters)
+    return program, exported
 
 
 @contextmanager
-def _weights_quantized(model, program_module, example_inputs, weights: WeightQuantization | None, say):
-    with quantized_weights(model, program_module, example_inputs, weights) as names:
+def _weights_quantized(model: nn.Module, program_module: nn.Module, example_inputs: tuple, plan: ExportPlan):
+    with quantized_weights(model, program_module, example_inputs, plan.weights) as names:
         if names:
-            say(f"quantized the weights of {len(names)} modules ({weights}) for the export; the model keeps its own")
+            plan.say(f"quantized the weights of {len(names)} modules ({plan.weights}) for the export; the model keeps its own")
         yield
 
 
-def _static_quantize(recipe, backend: str, quantize) -> str | None:
-    if quantize == "auto":
-        return recipe.quantize if backend == recipe.backend else None
-    if quantize is not None and quantize not in QUANTIZE_QNN:
-        raise ConfigError(f"quantize={quantize!r} is not accepted; choose one of {[None, *QUANTIZE_QNN]}")
-    if quantize is not None and recipe.cache != "io":
-        raise ConfigError(f"quantize={quantize!r} needs the static program with cache='io'; this swap has cache={recipe.cache!r}")
-    return quantize
-
-
 def _torch_export(module: nn.Module, example_inputs: tuple, dynamic_shapes=None) -> torch.export.ExportedProgram:
-    from etblocks.attention.sdpa import load_llama_custom_ops
-
     load_llama_custom_ops()
-    reset_caches(module)  # buffers' values at export time become the program's initial state
+    reset_states(module)  # buffers' values at export time become the program's initial state
     was_training = module.training
     module.eval()
     try:

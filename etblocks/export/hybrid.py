@@ -1,8 +1,8 @@
-"""Hybrid partition: delegate the fixed-shape projections and MLP, keep attention's in-place cache and its
+"""Hybrid partition: delegate the fixed-shape projections and MLP, keep every in-place state update and attention's
 dynamic-length attention on CPU (ExecuTorch forum, "Support of Dynamic and Static Shape in One Module").
 
-An NPU holds no state between calls and takes fixed shapes only; the cache update and the attention over the
-filled part of the cache are neither. Everything else of a static program is, so it goes to the delegate.
+An NPU holds no state between calls and takes fixed shapes only; state updates and the attention over the filled
+part of a cache are neither. Everything else of a static program is, so it goes to the delegate.
 `keep_on_cpu` is the partitioner filter underneath, also used to keep LoRA slot reads off the delegate.
 """
 
@@ -15,7 +15,7 @@ from torch.export import ExportedProgram
 
 from etblocks.attention.sdpa import SDPA
 from etblocks.errors import ConfigError
-from etblocks.kv_cache.base import KVCache
+from etblocks.state.base import State
 
 
 def _subclass_names(cls: type) -> set[str]:
@@ -28,8 +28,8 @@ def _subclass_names(cls: type) -> set[str]:
 
 
 def attention_core_types() -> set[str]:
-    """Qualified names of every SDPA and KV cache class (subclasses included) as module stacks record them."""
-    return _subclass_names(SDPA) | _subclass_names(KVCache)
+    """Qualified names of every SDPA and `State` class (subclasses included) as module stacks record them."""
+    return _subclass_names(SDPA) | _subclass_names(State)
 
 
 def in_attention_core(node: torch.fx.Node, core: set[str]) -> bool:

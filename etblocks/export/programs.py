@@ -7,16 +7,15 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from etblocks.attention.masks import block_sliding_window
+from etblocks.backends import backends
 from etblocks.errors import ConfigError
 from etblocks.export.adapters import SlotInputs, adapter_table, lora_layers
-from etblocks.export.contract import CONTRACT_METHOD, CacheGroup, LayerCache, StaticContract
-from etblocks.kv_cache.base import find_caches
-from etblocks.kv_cache.io import IOKVCache
+from etblocks.export.contract import CONTRACT_METHOD, MaskGroup, StateInput, StaticContract
+from etblocks.export.wrappers import DecoderProgram, StateInputsProgram
 from etblocks.moe import GatherExperts
-from etblocks.swap import set_max_seq_len
-from etblocks.swap.api import model_kind
-from etblocks.swap.program import DecoderProgram, StaticCacheProgram
+from etblocks.state.base import State, find_states
+from etblocks.state.spec import RING
+from etblocks.swap.api import model_kind, set_max_seq_len
 from etblocks.swap.recipes import Recipe
 
 # What masked entries of a quantized program's masks hold: -inf has no quantized form (Qualcomm's examples use
@@ -53,7 +52,7 @@ def dynamic_program(
     vocab_size: int | None = None,
 ) -> DynamicProgram:
     """Wrap a swapped upstream model (transformers, torchtune), or take a model built from etblocks blocks as it
-    is. `max_seq_len` (default: the caches' length) resizes the caches.
+    is. `max_seq_len` (default: the longest state's rows) resizes the state.
 
     A call takes up to the whole context, except in a model with `GatherExperts`: each call gathers
     `[T * k, I, D]` expert weights and the memory plan is sized for the longest call, so calls are capped at
@@ -62,9 +61,9 @@ def dynamic_program(
     kind = model_kind(model)
     if kind is not None:
         _swap_info(model)
-    caches = find_caches(model)
-    if not caches:
-        raise ConfigError(f"{type(model).__name__} holds no etblocks KV cache; build it from etblocks blocks")
+    states = find_states(model)
+    if not states:
+        raise ConfigError(f"{type(model).__name__} holds no etblocks state (a KV cache or another State); build it from etblocks blocks")
     if max_seq_len is not None:
         set_max_seq_len(model, max_seq_len)
     if kind is not None:
@@ -72,8 +71,10 @@ def dynamic_program(
         tokens = kind.token_metadata(model)
         module = DecoderProgram(model, kind)
     else:
-        max_seq_len = max_seq_len or max(cache.max_seq_len for cache in caches)
-        tokens = {"vocab_size": vocab_size, "bos_id": None, "eos_ids": [], "n_layers": len(caches)}
+        max_seq_len = max_seq_len or max((spec.rows for s in states for spec in s.specs() if spec.positional), default=None)
+        if max_seq_len is None:
+            raise ConfigError("max_seq_len=None: give max_seq_len= for a model without K/V caches (nothing else says its context)")
+        tokens = {"vocab_size": vocab_size, "bos_id": None, "eos_ids": [], "n_layers": len(states)}
         module = model
     _override_tokens(tokens, bos_id, eos_ids)
     if tokens["vocab_size"] is None:
@@ -101,9 +102,9 @@ class StaticProgram:
         if contract.cache == "inplace":
             return tokens, torch.zeros(1, dtype=torch.long), *slots
         dtype = contract.torch_dtype
-        masks = [torch.zeros(width, group.length + width, dtype=dtype) for group in contract.groups]
-        caches = [torch.zeros(tensor.shape, dtype=tensor.dtype) for _, tensor in contract.cache_tensors()]
-        return (tokens, torch.arange(width).unsqueeze(0), *masks, *caches, *slots)
+        masks = [torch.zeros(width, group.length + width, dtype=dtype) for group in contract.masks]
+        state = [entry.spec.zeros() for entry in contract.states]
+        return (tokens, torch.arange(width).unsqueeze(0), *masks, *state, *slots)
 
 
 def static_program(
@@ -117,9 +118,10 @@ def static_program(
     the context its caches hold."""
     info = _swap_info(model)
     if not info.recipe.static:
+        static = sorted(b.name for b in backends() if not b.dynamic_shapes)
         raise ConfigError(
             f"this model was swapped for dynamic shapes (backend={info.recipe.backend!r}); the static program needs "
-            "etblocks.swap(model, backend=..., shapes='static') or an NPU backend (qnn, coreml, openvino, vulkan)"
+            f"etblocks.swap(model, backend=..., shapes='static') or a backend with static programs ({', '.join(static)})"
         )
     if max_seq_len is not None:
         set_max_seq_len(model, max_seq_len)
@@ -127,27 +129,18 @@ def static_program(
     tokens = info.kind.token_metadata(model)
     dtype = str(info.recipe.dtype).removeprefix("torch.")
     common = dict(chunk=chunk, max_context_len=max_seq_len, vocab_size=tokens["vocab_size"], dtype=dtype)
-    if info.recipe.cache == "inplace":
+    if not info.recipe.caller_owned:
         contract = StaticContract(cache="inplace", mask_value=float("-inf"), **common)
         module = DecoderProgram(model, info.kind)
     else:
-        blocks = [m for m in model.modules() if isinstance(getattr(m, "kv_cache", None), IOKVCache)]
-        groups: dict[int | None, CacheGroup] = {}
-        layers = []
-        for block in blocks:
-            window = block_sliding_window(block)
-            if window not in groups:
-                groups[window] = CacheGroup("full" if window is None else f"window{window}", window or max_seq_len, window)
-            cache = block.kv_cache
-            layers.append(
-                LayerCache(groups[window].name, cache.n_kv_heads, cache.head_dim, cache.v_head_dim, cache.kv_quantize)
-            )
-        order = list(groups)
+        states = [(name, m) for name, m in model.named_modules() if isinstance(m, State) and m.caller_owned]
+        masks, entries, mask_of_state = state_inputs(states)
         mask_value = QUANTIZED_MASK_VALUE if quantized else float("-inf")
-        contract = StaticContract(
-            cache="io", mask_value=mask_value, groups=tuple(groups.values()), layers=tuple(layers), **common
+        contract = StaticContract(cache="io", mask_value=mask_value, masks=masks, states=entries, **common)
+        names = [g.name for g in masks]
+        module = StateInputsProgram(
+            model, info.kind, [m for _, m in states], [None if g is None else names.index(g) for g in mask_of_state]
         )
-        module = StaticCacheProgram(model, info.kind, blocks, [order.index(block_sliding_window(block)) for block in blocks])
     if lora_layers(model):
         n_inputs = len(contract.inputs())
         contract = replace(contract, adapters=adapter_table(model, info.recipe.dtype).slots)
@@ -156,6 +149,27 @@ def static_program(
     metadata = _llm_runner_metadata(max_seq_len, tokens, dynamic=False)
     metadata[CONTRACT_METHOD] = contract.as_constant()
     return StaticProgram(module, contract, metadata)
+
+
+def state_inputs(
+    states: list[tuple[str, State]]
+) -> tuple[tuple[MaskGroup, ...], tuple[StateInput, ...], list[str | None]]:
+    """The mask groups, the contract entry of every declared tensor, and the mask group each state is read under,
+    all from the states' declarations: a positional state is read under the mask of its rows (full attention over
+    the context, or a sliding window that its ring holds)."""
+    groups: dict[str, MaskGroup] = {}
+    entries, mask_of_state = [], []
+    for index, (owner, state) in enumerate(states):
+        specs = state.specs()
+        positional = next((spec for spec in specs if spec.positional), None)
+        group = None
+        if positional is not None:
+            window = positional.rows if positional.update == RING else None
+            group = "full" if window is None else f"window{window}"
+            groups.setdefault(group, MaskGroup(group, positional.rows, window))
+        entries += [StateInput.declared(index, owner, spec, group if spec.positional else None) for spec in specs]
+        mask_of_state.append(group)
+    return tuple(groups.values()), tuple(entries), mask_of_state
 
 
 def _override_tokens(tokens: dict, bos_id: int | None, eos_ids: list[int] | None) -> None:

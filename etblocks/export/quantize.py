@@ -1,7 +1,7 @@
-"""Quantizing a static program with pt2e, method by method, calibrated by driving it like a real generation.
+"""Quantizing a static program with pt2e, method by method, calibrated by feeding it like a real generation.
 
-The methods (prefill, decode) are prepared apart, calibrated together through the same driver the runner uses,
-given one set of activation ranges and converted; the QNN quantizer comes from `etblocks.export.qnn`.
+The methods (prefill, decode) are prepared apart, calibrated together through the same feeder the runner uses,
+given one set of activation ranges and converted; the quantizer comes from the backend (`Backend.quantizer`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from etblocks.errors import ConfigError
 from etblocks.export.contract import StaticContract
-from etblocks.export.static_driver import StaticDriver
+from etblocks.export.feeders import StaticFeeder
 
 if TYPE_CHECKING:
     from torchao.quantization.pt2e.quantizer import Quantizer
@@ -147,7 +147,7 @@ def quantize_programs(
     return quantized
 
 
-def quantized_weights(program: torch.export.ExportedProgram) -> dict[str, tuple[torch.Tensor, ...]]:
+def quantized_weight_constants(program: torch.export.ExportedProgram) -> dict[str, tuple[torch.Tensor, ...]]:
     """The stored constants of each quantized weight: `(integers, scale, zero_point)` per dequantize that
     reads a constant, keyed `"<module path>/<consumer node>"`. Lets callers check that methods share them."""
     dequantize = {
@@ -203,31 +203,27 @@ def calibrate_static(
 ) -> None:
     """Run each prompt through `prefill`, then a few greedy `decode` steps, so both methods see real inputs;
     with the base model, then with each adapter's slot inputs."""
-    driver = StaticDriver(contract, lambda method, inputs: prepared[method](*inputs))
-    for slots in [driver.adapter_inputs, *adapters]:
-        driver.adapter_inputs = slots
+    feeder = StaticFeeder(contract, lambda method, inputs: prepared[method](*inputs))
+    for slots in [feeder.adapter_inputs, *adapters]:
+        feeder.adapter_inputs = slots
         for prompt in prompts:
-            driver.reset()
+            feeder.reset()
             prompt = list(prompt)[: contract.max_context_len - CALIBRATION_DECODE_STEPS]
-            logits = driver.forward(prompt)
+            logits = feeder.forward(prompt)
             for _ in range(CALIBRATION_DECODE_STEPS):
-                logits = driver.forward([int(torch.argmax(logits))])
+                logits = feeder.forward([int(torch.argmax(logits))])
 
 
 def quantize_static(
     exported: dict[str, torch.export.ExportedProgram],
     contract: StaticContract,
-    precision: str,
+    quantizer: Quantizer,
     calibration: Sequence[Sequence[int]] | None = None,
     adapters: Sequence[list[torch.Tensor]] = (),
 ) -> dict[str, torch.export.ExportedProgram]:
-    """Annotate every method with QnnQuantizer at `precision`, calibrate, convert, re-export. `adapters`: the
-    slot inputs of each adapter the program will run (see `etblocks.export.adapters`); the prompts run with
-    each and with none, so the LoRA path's ranges cover them all."""
-    from etblocks.export.qnn import qnn_quantizer
-
+    """Annotate every method with `quantizer` (a backend's, `Backend.quantizer(scheme)`), calibrate, convert,
+    re-export. `adapters`: the slot inputs of each adapter the program will run (see `etblocks.export.adapters`);
+    the prompts run with each and with none, so the LoRA path's ranges cover them all."""
     prompts = calibration or default_calibration_prompts(contract)
     with torch.no_grad():
-        return quantize_programs(
-            exported, qnn_quantizer(precision), lambda prepared: calibrate_static(prepared, contract, prompts, adapters)
-        )
+        return quantize_programs(exported, quantizer, lambda prepared: calibrate_static(prepared, contract, prompts, adapters))

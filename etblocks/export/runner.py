@@ -12,37 +12,15 @@ from etblocks.adapters.files import read_adapter_file
 from etblocks.errors import ConfigError, ContextOverflowError
 from etblocks.export.adapters import ADAPTERS_METHOD, SET_ADAPTER_METHOD, AdapterTable
 from etblocks.export.contract import CONTRACT_METHOD, StaticContract
-from etblocks.export.static_driver import StaticDriver, check_room
-
-
-class DynamicDriver:
-    """Feeds `forward(tokens [1, T], input_pos [1])` chunks of at most `max_seq_len` tokens."""
-
-    def __init__(self, method, max_seq_len: int, max_context_len: int) -> None:
-        self.method = method
-        self.max_seq_len = max_seq_len
-        self.max_context_len = max_context_len
-        self.pos = 0
-
-    def reset(self) -> None:
-        """Stale cache rows are never read: attention masks by position."""
-        self.pos = 0
-
-    def forward(self, tokens: Sequence[int]) -> torch.Tensor:
-        check_room(self.pos, len(tokens), self.max_context_len)
-        logits = None
-        for start in range(0, len(tokens), self.max_seq_len):
-            chunk = torch.tensor([list(tokens[start : start + self.max_seq_len])], dtype=torch.long)
-            logits = run_method(self.method, [chunk, torch.tensor([self.pos], dtype=torch.long)])[0]
-            self.pos += chunk.shape[1]
-        return logits.reshape(-1, logits.shape[-1])[-1]
+from etblocks.export.feeders import DynamicFeeder, StaticFeeder
+from etblocks.ops import load_kernels
 
 
 class Runner:
     """Generates from token ids with an etblocks program through the ExecuTorch Python runtime.
 
     It reads the program's contract: a dynamic `forward(tokens[1, T], input_pos[1])`, or a static `prefill` /
-    `decode` pair with caller-owned caches, which the runner then owns (see `etblocks.export.contract`). The
+    `decode` pair with caller-owned state, which the runner then owns (see `etblocks.export.contract`). The
     absolute position carries across `generate` calls (a chat continues where it stopped); `reset()` starts a
     new sequence. `decode_tail` (static programs): a prompt remainder of at most this many tokens goes through
     `decode` token by token instead of a padded `prefill` (default: chunk // 8).
@@ -74,11 +52,11 @@ class Runner:
         if CONTRACT_METHOD in methods:
             self.contract = StaticContract.from_constant(self.program.load_method(CONTRACT_METHOD).execute([]))
             loaded = {name: self.program.load_method(name) for name in self.contract.methods}
-            self._driver = StaticDriver(self.contract, lambda name, inputs: run_method(loaded[name], inputs), decode_tail)
+            self._feeder = StaticFeeder(self.contract, lambda name, inputs: run_method(loaded[name], inputs), decode_tail)
         elif "forward" in methods and "get_max_seq_len" in methods:
             max_seq_len = int(self._constant("get_max_seq_len"))
             max_context_len = int(self._constant("get_max_context_len", max_seq_len))
-            self._driver = DynamicDriver(self.program.load_method("forward"), max_seq_len, max_context_len)
+            self._feeder = DynamicFeeder(self.program.load_method("forward"), max_seq_len, max_context_len, run_method)
         else:
             raise ConfigError(
                 f"{path} has methods {sorted(methods)}; expected 'forward' with the LLM metadata methods, or an "
@@ -89,7 +67,7 @@ class Runner:
             self.adapter_table = AdapterTable.from_constant(self.program.load_method(ADAPTERS_METHOD).execute([])[0])
             self._set_slots = self.program.load_method(SET_ADAPTER_METHOD)
         elif self.contract is not None and self.contract.adapters:
-            self.adapter_table = self.contract.adapter_table  # passed with every call by the driver
+            self.adapter_table = self.contract.adapter_table  # passed with every call by the feeder
         self._adapters: dict[str, list[torch.Tensor]] = {}
         self._base_slots = self.adapter_table.inputs(None) if self.adapter_table is not None else []
         self.adapter: str | None = None
@@ -123,7 +101,7 @@ class Runner:
             if self.contract is None:
                 self._set_slots.execute(slots)
             else:
-                self._driver.adapter_inputs = slots
+                self._feeder.adapter_inputs = slots
         self.adapter = name
         self.reset()
 
@@ -137,35 +115,37 @@ class Runner:
     def pos(self) -> int:
         """Where the next tokens go: the positions of the current sequence so far, including the last generated
         token, which is fed (once) with whatever comes next."""
-        return self._driver.pos + len(self._unfed)
+        return self._feeder.pos + len(self._unfed)
 
     @property
     def max_context_len(self) -> int:
-        return self._driver.max_context_len
+        return self._feeder.max_context_len
 
     @property
     def caches(self) -> list[torch.Tensor]:
-        """A static program's caches `[k0, v0, k1, v1, ...]` (copies), e.g. to save a prompt's state."""
+        """A static program's caller-owned state, one tensor per contract entry (`contract.states`: K/V caches,
+        convolution windows, recurrent states), copied: e.g. to save a prompt's state after `forward(prompt)`, with
+        `pos`. After `generate` the last generated token is not in it yet (the next call feeds it)."""
         if self.contract is None or self.contract.cache != "io":
-            raise ConfigError("this program keeps its KV caches inside; only static io-cache programs expose them")
-        return [cache.clone() for cache in self._driver.caches]
+            raise ConfigError("this program keeps its state inside; only static programs with caller-owned state expose it")
+        return [tensor.clone() for tensor in self._feeder.state]
 
     def restore(self, caches: Sequence[torch.Tensor], pos: int) -> None:
-        """Continue a static program from saved `caches` holding `pos` positions; `ConfigError` if their number,
-        shapes or dtypes do not match the program's."""
+        """Continue a static program from saved state (`caches`) holding `pos` positions; `ConfigError` if the
+        number of tensors, their shapes or dtypes do not match the program's."""
         if self.contract is None:
-            raise ConfigError("restore() needs a static program with caller-owned caches; this one is dynamic")
-        self._driver.restore(caches, pos)
+            raise ConfigError("restore() needs a static program with caller-owned state; this one is dynamic")
+        self._feeder.restore(caches, pos)
         self._unfed = []
 
     def reset(self) -> None:
         """Start a new sequence."""
-        self._driver.reset()
+        self._feeder.reset()
         self._unfed = []
 
     def forward(self, tokens: Sequence[int]) -> torch.Tensor:
         """Feed tokens at the current position; return the logits `[V]` after the last one."""
-        logits = self._driver.forward(self._unfed + list(tokens))
+        logits = self._feeder.forward(self._unfed + list(tokens))
         self._unfed = []
         return logits
 
@@ -206,25 +186,13 @@ class Runner:
             logits = self.forward([token])
 
 
-def load_kernels() -> None:
-    """Register the kernels outside ExecuTorch's portable set that etblocks programs call, with this process's
-    runtime: the llama custom ops (cache updates, custom SDPA) and `quantized_decomposed` (int8 embedding, int8
-    KV caches). A program that calls one fails to load before."""
-    from etblocks.attention.sdpa import load_llama_custom_ops
-    from etblocks.kv_cache.quantized import load_quantized_ops
-
-    load_llama_custom_ops()
-    load_quantized_ops()
-
-
 def run_method(method: Any, inputs: Sequence[Any]) -> list[Any]:
     """`method.execute(inputs)` (an `executorch.runtime.Method`) with its output tensors copied by numpy, on this
     thread.
 
     The runtime's own copy of the outputs is a torch clone, and torch copies more than 32768 elements (the logits
-    of any real vocabulary) on its OpenMP threads, which then spin for milliseconds on the cores ExecuTorch's
-    thread pool needs for the next call: a 4-bit SmolLM2-135M decode step took 8.7 ms instead of 6.2 ms on this
-    project's 2-core machine (`benchmarks/quant.py`). The copy stays, since outputs live in memory the program
+    of any real vocabulary) on its OpenMP threads, which then spin on the cores ExecuTorch's thread pool needs for
+    the next call (measured by `benchmarks/quant.py`). The copy stays, since outputs live in memory the program
     reuses on its next call.
     """
     outputs = method._method(inputs, clone_outputs=False)  # the switch Method.execute does not pass on

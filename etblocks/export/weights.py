@@ -27,11 +27,10 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from etblocks.backends import Backend, backends
 from etblocks.errors import ConfigError
+from etblocks.options import OPTIONS, check
 
-WEIGHT_SCHEMES = ("8da4w", "8da8w")
-EMBEDDING_SCHEMES = ("int8",)
-BACKEND = "xnnpack"  # the backend whose kernels run these programs: dynamically quantized GEMMs
 GROUP_MULTIPLE = 32  # XNNPACK's blockwise int4 GEMM takes groups of a multiple of 32 inputs
 
 
@@ -75,24 +74,23 @@ class WeightQuantization:
 
 
 def weight_quantization(
-    backend: str, quantize: str | None, group_size: int, quantize_embedding: str | None
+    backend: Backend, linear: str | None, group_size: int, embedding: str | None
 ) -> WeightQuantization | None:
-    """The weight quantization `export` was asked for (None: none), checked before any work. `quantize` values
-    that are not weight schemes (QnnQuantizer precisions, "auto", None) are left to the static path."""
-    linear = quantize if quantize in WEIGHT_SCHEMES else None
-    if quantize_embedding is not None and quantize_embedding not in EMBEDDING_SCHEMES:
-        raise ConfigError(f"quantize_embedding={quantize_embedding!r} is not accepted; choose one of {[None, *EMBEDDING_SCHEMES]}")
-    for name, value in (("quantize", linear), ("quantize_embedding", quantize_embedding)):
-        if value is not None and backend != BACKEND:
-            raise ConfigError(
-                f"{name}={value!r} quantizes weights for backend={BACKEND!r} (its dynamically quantized kernels); "
-                f"backend={backend!r} does not take it"
-            )
+    """The weight quantization `export` was asked for (None: none), checked against what `backend`'s kernels run
+    before any work."""
+    linear, embedding = check(OPTIONS["quantize_weights"], linear), check(OPTIONS["quantize_embedding"], embedding)
+    for name, value, runs in (
+        ("quantize_weights", linear, backend.weight_schemes),
+        ("quantize_embedding", embedding, backend.embedding_schemes),
+    ):
+        if value is not None and value not in runs:
+            able = sorted(b.name for b in backends() if value in (b.weight_schemes + b.embedding_schemes))
+            raise ConfigError(f"{name}={value!r}: backend={backend.name!r} has no kernels for it; backends that run it: {able}")
     if linear == "8da4w" and not (isinstance(group_size, int) and group_size > 0 and group_size % GROUP_MULTIPLE == 0):
         raise ConfigError(f"group_size={group_size!r} is not accepted; give a positive multiple of {GROUP_MULTIPLE} (XNNPACK's int4 groups)")
-    if linear is None and quantize_embedding is None:
+    if linear is None and embedding is None:
         return None
-    return WeightQuantization(linear, group_size if linear == "8da4w" else None, quantize_embedding)
+    return WeightQuantization(linear, group_size if linear == "8da4w" else None, embedding)
 
 
 def called_modules(
@@ -119,7 +117,7 @@ def check_group_size(linears: list[tuple[str, nn.Linear]], group_size: int) -> N
             raise ConfigError(
                 f"group_size={group_size} does not divide {name}'s in_features={linear.in_features}; group sizes that "
                 f"divide every quantized linear's in_features ({widths}) and XNNPACK takes: {fits or 'none'}"
-                + ("" if fits else "; use quantize='8da8w' (one scale per channel)")
+                + ("" if fits else "; use quantize_weights='8da8w' (one scale per channel)")
             )
 
 
@@ -163,7 +161,7 @@ def quantized_weights(
     if plan is None:
         yield []
         return
-    requested = {nn.Linear: ("quantize", plan.linear), nn.Embedding: ("quantize_embedding", plan.embedding)}
+    requested = {nn.Linear: ("quantize_weights", plan.linear), nn.Embedding: ("quantize_embedding", plan.embedding)}
     requested = {kind: option for kind, option in requested.items() if option[1] is not None}
     modules = called_modules(model, program, example_inputs, tuple(requested))
     linears = [(name, m) for name, m in modules if isinstance(m, nn.Linear)]

@@ -10,17 +10,16 @@ import torch
 from torch import nn
 
 from etblocks.adapters.load import attach_adapter
-from etblocks.attention.masks import additive_mask, allowed_keys, block_sliding_window
+from etblocks.attention.masks import additive_mask, allowed_keys
 from etblocks.errors import ConfigError, UnsupportedModelError
-from etblocks.kv_cache.base import find_caches, reset_caches
-from etblocks.kv_cache.io import IOKVCache
-from etblocks.swap.hf.convert import build_attention
-from etblocks.swap.hf.families import register_families
+from etblocks.state.base import State, find_states, reset_states
+from etblocks.state.spec import RING
+from etblocks.swap.hf.convert import attention_from_layout
 from etblocks.swap.hf.fallback import infer_layout
 from etblocks.swap.hf.model import TransformersKind
 from etblocks.swap.kinds import ModelKind
 from etblocks.swap.recipes import Recipe, resolve_recipe
-from etblocks.swap.registry import ATTENTION, MODULES, SwapContext
+from etblocks.swap.registry import MIXERS, MODULES, SwapContext
 from etblocks.swap.torchtune.model import TorchtuneKind
 
 DEFAULT_MAX_SEQ_LEN = 2048
@@ -29,7 +28,6 @@ PROBE_LEN = 16
 # The adapter a torchtune LoRA model carries in its own modules is loaded back under this name.
 EMBEDDED_ADAPTER = "default"
 
-register_families()
 KINDS: tuple[ModelKind, ...] = (TransformersKind(), TorchtuneKind())
 
 
@@ -51,7 +49,7 @@ def swap(
     verify: bool = True,
     **recipe_overrides,
 ) -> nn.Module:
-    """Replace every attention module of a transformers causal LM or a torchtune `TransformerDecoder` with an
+    """Replace every token mixer (attention) of a transformers causal LM or a torchtune `TransformerDecoder` with an
     etblocks block, in place, and every module with a registered replacement (MoE blocks, DeepSeek-V2's complex
     rotary table).
 
@@ -80,10 +78,10 @@ def swap(
         raise ConfigError(f"chunk={recipe.chunk} is larger than the context max_seq_len={max_seq_len}; give chunk <= {max_seq_len}")
     ctx = SwapContext(recipe=recipe, max_seq_len=max_seq_len)
 
-    targets = kind.attention_modules(model)
+    targets = kind.mixer_modules(model)
     if not targets:
         raise UnsupportedModelError(
-            f"{type(model).__name__} has no attention modules to swap; supported attention classes: {ATTENTION.supported()}"
+            f"{type(model).__name__} has no attention modules to swap; supported attention classes: {MIXERS.supported()}"
         )
     adapter = kind.adapter_layers(model)
     replacements = [(name, _convert(name, module, ctx)) for name, module in targets]
@@ -117,8 +115,8 @@ def model_kind(model: nn.Module) -> ModelKind | None:
 
 
 def set_max_seq_len(model: nn.Module, max_seq_len: int) -> None:
-    """Resize the KV caches of a swapped model, or of one built from blocks, for a new context length (their
-    contents are dropped). `ConfigError` past the model's positions."""
+    """Resize the state of a swapped model, or of one built from blocks, for a new context length (its contents
+    are dropped). `ConfigError` past the model's positions."""
     max_seq_len = _check_max_seq_len(model, max_seq_len)
     info = getattr(model, "etblocks_swap", None)
     if info is not None:
@@ -135,8 +133,8 @@ def set_max_seq_len(model: nn.Module, max_seq_len: int) -> None:
                 f"accepted: {info.recipe.chunk}..{info.max_seq_len}"
             )
         model.etblocks_swap = dataclasses.replace(info, max_seq_len=max_seq_len)
-    for cache in find_caches(model):
-        cache.resize(max_seq_len)
+    for state in find_states(model):
+        state.resize(max_seq_len)
 
 
 def _check_max_seq_len(model: nn.Module, max_seq_len: int | None) -> int:
@@ -155,16 +153,16 @@ def _check_max_seq_len(model: nn.Module, max_seq_len: int | None) -> int:
 
 
 def _convert(name: str, module: nn.Module, ctx: SwapContext) -> nn.Module:
-    converter = ATTENTION.lookup(module)
+    converter = MIXERS.lookup(module)
     if converter is None:
         layout = infer_layout(module)
         if layout is None:
             raise UnsupportedModelError(
                 f"{name} is a {type(module).__name__}, which has no etblocks converter and does not follow the "
                 f"common HF attention layout (q/k/v/o Linear projections, head_dim, scaling); "
-                f"supported attention classes: {ATTENTION.supported()}. Register one with @etblocks.register."
+                f"supported attention classes: {MIXERS.supported()}. Register one with @etblocks.register."
             )
-        return build_attention(module, layout, ctx)
+        return attention_from_layout(module, layout, ctx)
     return _call_converter(converter, name, module, ctx)
 
 
@@ -182,7 +180,7 @@ def _inside(name: str, targets: list[tuple[str, nn.Module]]) -> bool:
 
 def _verify(model: nn.Module, kind: ModelKind, pairs: list[tuple[str, nn.Module, nn.Module]], max_seq_len: int) -> None:
     """Each replacement must reproduce its original's output on the inputs the original saw in a probe run."""
-    windows = [w for _, _, new in pairs if (w := block_sliding_window(new))]
+    windows = [spec.rows for _, _, new in pairs for state in find_states(new) for spec in state.specs() if spec.update == RING]
     probe_len = min(max([PROBE_LEN] + [w + 4 for w in windows]), max_seq_len)
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, kind.vocab_size(model), (1, probe_len), generator=generator)
@@ -193,8 +191,10 @@ def _verify(model: nn.Module, kind: ModelKind, pairs: list[tuple[str, nn.Module,
             if id(original) not in calls:
                 raise UnsupportedModelError(f"{name} ({type(original).__name__}) was not called in a forward pass")
             args, kwargs, expected = calls[id(original)]
+            states = find_states(new)
             try:
-                _bind_empty_io_cache(new, positions)
+                for state in states:
+                    _bind_first_call(state, positions)
                 actual = new(*args, **kwargs)
                 actual = actual[0] if isinstance(actual, tuple) else actual
             except Exception as exc:  # any failure of the replacement on real inputs means "cannot swap"
@@ -202,9 +202,9 @@ def _verify(model: nn.Module, kind: ModelKind, pairs: list[tuple[str, nn.Module,
                     f"{name} ({type(original).__name__}): the etblocks block failed on the probe input: {exc}"
                 ) from exc
             finally:
-                reset_caches(new)
-                if isinstance(getattr(new, "kv_cache", None), IOKVCache):
-                    new.kv_cache.unbind()
+                reset_states(new)
+                for state in states:
+                    state.unbind()
             error = (actual - expected).abs().max().item()
             tolerance = 1e-4 * max(1.0, expected.abs().max().item())
             if not error <= tolerance:
@@ -238,14 +238,16 @@ def _capture_calls(
     return calls
 
 
-def _bind_empty_io_cache(block: nn.Module, positions: torch.Tensor) -> None:
-    """A block with a caller-owned cache is probed as a static program's first chunk: empty caches, causal mask."""
-    cache = getattr(block, "kv_cache", None)
-    if not isinstance(cache, IOKVCache):
+def _bind_first_call(state: State, positions: torch.Tensor) -> None:
+    """Caller-owned state is probed as a static program's first call: no rows kept yet (zeros for state that
+    is not positional), the causal mask over the call's own rows."""
+    if not state.caller_owned:
         return
-    empty = [torch.zeros(t.shape, dtype=t.dtype) for t in cache.layout(0, next(block.parameters()).dtype)]
-    mask = additive_mask(allowed_keys(positions, positions, block_sliding_window(block)))
-    cache.bind(empty, mask)
+    specs = state.specs()
+    tensors = [torch.zeros(s.update_shape(0), dtype=s.dtype) if s.positional else s.zeros() for s in specs]
+    ring = next((s.rows for s in specs if s.update == RING), None)
+    mask = additive_mask(allowed_keys(positions, positions, ring)) if any(s.positional for s in specs) else None
+    state.bind(tensors, mask)
 
 
 def _commit(model: nn.Module, replacements, recipe: Recipe) -> None:

@@ -1,18 +1,15 @@
-"""What the converters of every model kind share: the SDPA and cache a recipe picks for a layer, and running a
-block over the positions its caller gives, with its own cache or a caller-owned one."""
+"""What the attention converters of every model kind share: the SDPA and cache a recipe picks for a layer."""
 
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 from torch import nn
 
 from etblocks.attention.sdpa import SDPA, CustomSDPA, DynamicSDPA, QuantizedCustomSDPA, StaticSDPA
-from etblocks.kv_cache.io import IOKVCache
-from etblocks.kv_cache.quantized import QuantizedIOKVCache, QuantizedKVCache, QuantizedRingKVCache
-from etblocks.kv_cache.ring import RingKVCache
-from etblocks.kv_cache.static import StaticKVCache
+from etblocks.state.io import IOKVCache
+from etblocks.state.quantized import QuantizedIOKVCache, QuantizedKVCache, QuantizedRingKVCache
+from etblocks.state.ring import RingKVCache
+from etblocks.state.static import StaticKVCache
 from etblocks.swap.registry import SwapContext
 
 
@@ -33,8 +30,9 @@ def sdpa_and_cache(
     int8 = recipe.kv_quantize is not None
     if window is not None and window >= ctx.max_seq_len:
         window = None
-    if recipe.cache == "io":  # the program's caller owns the caches: a window only shortens the mask it gives
-        io_cache = QuantizedIOKVCache(n_kv_heads, head_dim, recipe.dtype) if int8 else IOKVCache(n_kv_heads, head_dim)
+    if ctx.caller_owned:  # the program's caller owns the caches: a window only shortens the rows it keeps
+        geometry = dict(max_seq_len=ctx.max_seq_len, window=window, dtype=recipe.dtype)
+        io_cache = QuantizedIOKVCache(n_kv_heads, head_dim, **geometry) if int8 else IOKVCache(n_kv_heads, head_dim, **geometry)
         return StaticSDPA(scale, softcap, window), io_cache
     if window is not None:
         ring = QuantizedRingKVCache if int8 else RingKVCache
@@ -47,16 +45,3 @@ def sdpa_and_cache(
         return (QuantizedCustomSDPA(scale) if custom_sdpa else DynamicSDPA(scale, softcap)), cache
     cache = StaticKVCache(*geometry, use_custom_op=use_custom_op)
     return (CustomSDPA(scale) if custom_sdpa else DynamicSDPA(scale, softcap)), cache
-
-
-def run_block(
-    forward: Callable, kv_cache: nn.Module | None, x: torch.Tensor, positions: torch.Tensor, position_embeddings=None
-) -> torch.Tensor:
-    """`forward(x [B, T, D], positions [T], position_embeddings)` of a block: with a caller-owned cache, the
-    caches and mask bound by the static program go in and the new K/V rows go back to it."""
-    if isinstance(kv_cache, IOKVCache):
-        caches, mask = kv_cache.bound()
-        y, *new_rows = forward(x, positions, position_embeddings, kv=caches, mask=mask)
-        kv_cache.emit(*new_rows)
-        return y
-    return forward(x, positions, position_embeddings=position_embeddings)

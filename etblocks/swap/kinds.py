@@ -27,11 +27,11 @@ class ModelKind(ABC):
         """Whether `model` is of this kind (without importing a package the caller has not imported)."""
 
     def prepare(self) -> None:
-        """Register this kind's converters, once, before its first model is swapped."""
+        """Register this kind's converters, once, before its first model is swapped (never over a user's own)."""
 
     @abstractmethod
-    def attention_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
-        """`(name, module)` of every attention module `swap` replaces."""
+    def mixer_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """`(name, module)` of every token mixer (attention) `swap` replaces."""
 
     @abstractmethod
     def max_positions(self, model: nn.Module) -> int | None:

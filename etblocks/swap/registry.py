@@ -7,62 +7,85 @@ from typing import Callable
 
 from torch import nn
 
+from etblocks.state.mixer import Mixer
 from etblocks.swap.recipes import Recipe
 
 
 @dataclass(frozen=True)
 class SwapContext:
-    """What a converter needs beyond the module: the recipe and the cache geometry."""
+    """What a converter needs beyond the module: the recipe and the state geometry. A mixer builds its `State`
+    in place or caller-owned as `caller_owned` says."""
 
     recipe: Recipe
     max_seq_len: int
     max_batch_size: int = 1
 
+    @property
+    def caller_owned(self) -> bool:
+        return self.recipe.caller_owned
+
 
 Converter = Callable[[nn.Module, SwapContext], nn.Module]
 
 
+def qualified_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 class Registry:
-    """Maps upstream module classes to converters."""
+    """Maps upstream module classes to converters. A class is given as itself or, for etblocks' own families, by
+    its qualified name: a name needs nothing imported, so `import etblocks` loads no upstream modeling code and a
+    family costs nothing until a model of it is swapped."""
 
     def __init__(self) -> None:
-        self._converters: dict[type, Converter] = {}
-        self._different_output: set[type] = set()
+        self._converters: dict[type | str, Converter] = {}
+        self._different_output: set[type | str] = set()
 
-    def register(self, *upstream: type, same_output: bool = True) -> Callable[[Converter], Converter]:
+    def register(self, *upstream: type | str, same_output: bool = True, replace: bool = True) -> Callable[[Converter], Converter]:
         """Decorator: `@registry.register(LlamaAttention)` makes the function the converter for that class.
 
         `same_output=False` marks a replacement that returns another representation of its original's result
         (a real rotary table for a complex one), so `swap` checks it through its consumers instead of directly.
+        `replace=False` keeps a converter already registered for the class (etblocks' own families never
+        override one a user registered).
         """
 
         def decorate(converter: Converter) -> Converter:
-            for cls in upstream:
-                self._converters[cls] = converter
+            for key in upstream:
+                if not replace and key in self._converters:
+                    continue
+                self._converters[key] = converter
                 if not same_output:
-                    self._different_output.add(cls)
+                    self._different_output.add(key)
             return converter
 
         return decorate
 
-    def lookup(self, module: nn.Module) -> Converter | None:
+    def _keys(self, module: nn.Module):
         for cls in type(module).__mro__:
-            if cls in self._converters:
-                return self._converters[cls]
-        return None
+            yield cls
+            yield qualified_name(cls)
+
+    def lookup(self, module: nn.Module) -> Converter | None:
+        return next((self._converters[key] for key in self._keys(module) if key in self._converters), None)
 
     def same_output(self, module: nn.Module) -> bool:
-        return not any(cls in self._different_output for cls in type(module).__mro__)
+        return not any(key in self._different_output for key in self._keys(module))
 
     def supported(self) -> list[str]:
-        return sorted(cls.__name__ for cls in self._converters)
+        return sorted(key.rsplit(".", 1)[-1] if isinstance(key, str) else key.__name__ for key in self._converters)
 
 
-ATTENTION = Registry()
+MIXERS = Registry()
 # Other upstream modules a family needs replaced for export (e.g. a rotary table computed with complex ops).
 MODULES = Registry()
 
 
-def register(*upstream: type) -> Callable[[Converter], Converter]:
-    """Register an attention converter: `@etblocks.register(MyAttention)` over `fn(module, ctx) -> nn.Module`."""
-    return ATTENTION.register(*upstream)
+MixerConverter = Callable[[nn.Module, SwapContext], Mixer]
+
+
+def register(*upstream: type) -> Callable[[MixerConverter], MixerConverter]:
+    """Register a mixer converter: `@etblocks.register(MyAttention)` over `fn(module, ctx) -> mixer`, where the
+    mixer (`etblocks.state.mixer`) holds the module's weights, builds its state in the form `ctx.caller_owned` asks
+    for, and is called the upstream way (`etblocks.swap.HFCall`, `etblocks.swap.TuneCall`)."""
+    return MIXERS.register(*upstream)

@@ -21,6 +21,7 @@ import etblocks
 from etblocks.adapters import merge_adapter
 from etblocks.adapters.files import adapter_tensors, save_adapter_file
 from etblocks.adapters.peft import read_peft_adapter
+from etblocks.backends import _REGISTRY, Backend, get_backend, register_backend
 from etblocks.errors import AdapterMismatchError, ConfigError
 from etblocks.export.adapters import adapter_slots, lora_layers
 
@@ -175,13 +176,30 @@ def test_hybrid_static_program_takes_the_slots_as_inputs(tmp_path):
     assert_switches_match_peft(runner, peft_reference(base, dirs), prompt_ids(21))
 
 
+class DynamicOpenvino(Backend):
+    """OpenVINO's partitioner offered for dynamic programs: one that cannot be told to leave nodes on CPU."""
+
+    name = "openvino-dynamic"
+    requires = "openvino"
+    dynamic_shapes = True
+
+    def partitioners(self, options) -> list:
+        return get_backend("openvino").partitioners(options)
+
+
 def test_dynamic_program_with_slots_refuses_a_partitioner_it_cannot_filter(tmp_path):
-    """OpenVINO's partitioner cannot be told to leave the slot reads alone; refused before any export work."""
+    """A partitioner that cannot be told to leave the slot reads alone is refused before any export work."""
     base = tiny_model("llama")
     make_adapter(base, tmp_path / "A", 0, **ADAPTERS["A"])
     model = swapped_with(base, {"A": tmp_path / "A"})
-    with pytest.raises(ConfigError, match=r"LoRA slots in a dynamic program .* swap with shapes='static'.*got OpenvinoPartitioner"):
+    with pytest.raises(ConfigError, match=r"backend='openvino' takes fixed shapes only"):
         etblocks.export(model, backend="openvino", out=tmp_path / "never.pte")
+    register_backend(DynamicOpenvino)
+    try:
+        with pytest.raises(ConfigError, match=r"LoRA slots in a dynamic program .* swap with shapes='static'.*got OpenvinoPartitioner"):
+            etblocks.export(model, backend="openvino-dynamic", out=tmp_path / "never.pte")
+    finally:
+        _REGISTRY.pop("openvino-dynamic")
     assert not (tmp_path / "never.pte").exists()
 
 

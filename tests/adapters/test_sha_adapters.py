@@ -22,8 +22,8 @@ import etblocks
 from etblocks.adapters.files import adapter_tensors, save_adapter_file
 from etblocks.adapters import LoRALinear, load_adapter, set_adapter
 from etblocks.errors import AdapterMismatchError
-from etblocks.export.driver import check_qnn
-from etblocks.kv_cache import IOKVCache
+from etblocks.export import check_readiness
+from etblocks.state import IOKVCache
 
 ATOL = 1e-4  # the static SHA program vs HF, as in tests/export/test_static_programs.py
 CONTEXT, CHUNK = 64, 16
@@ -184,6 +184,6 @@ def test_qnn_program_with_an_adapter_is_ready(tmp_path):
     base = tiny_model("llama", num_hidden_layers=1, **FEW_HEADS)  # a cheaper readiness check: see FEW_HEADS
     model = swapped_with(base, make_adapters(base, tmp_path), "qnn", max_seq_len=CONTEXT, chunk=CHUNK)
     set_adapter(model, "B")
-    for method, readiness in check_qnn(model).items():
+    for method, readiness in check_readiness(model, "qnn").items():
         assert readiness.ready, method
         assert not readiness.uncovered and not readiness.bad_dtypes, method

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 from hf_models import assert_untouched, prompt_ids, snapshot_of
-from static_refs import eager_driver
+from static_refs import eager_feeder
 from torchtune_models import DIMS, LORA_ATTN, tiny_lora_model, tune_greedy, tune_logits
 
 import etblocks
@@ -67,10 +67,10 @@ def test_qnn_recipe_splits_the_adapter_per_head():
 
 def _static_last_logits(swapped, prompt: torch.Tensor, adapter: str | None) -> torch.Tensor:
     """The static program run eagerly as the Runner drives it, with `adapter`'s slots (None: the base)."""
-    driver = eager_driver(swapped)
-    driver.adapter_inputs = driver.contract.adapter_table.inputs(None if adapter is None else adapter_tensors(swapped, adapter))
+    feeder = eager_feeder(swapped)
+    feeder.adapter_inputs = feeder.contract.adapter_table.inputs(None if adapter is None else adapter_tensors(swapped, adapter))
     with torch.no_grad():
-        return driver.forward(prompt[0].tolist())
+        return feeder.forward(prompt[0].tolist())
 
 
 @pytest.mark.parametrize("backend", ["xnnpack", "qnn"])
@@ -98,7 +98,7 @@ def test_exported_adapter_file_switches_like_torchtune(backend, tmp_path):
     inputs), both run here: one program, the adapter in `<stem>.default.ptd` keyed by torchtune's module names,
     switched on and off."""
     original, swapped = _swapped(backend)
-    result = etblocks.export(swapped, backend="xnnpack", out=tmp_path / "lora.pte", quantize=None)
+    result = etblocks.export(swapped, backend="xnnpack", out=tmp_path / "lora.pte", quantize_activations=None)
     file = result.adapters["default"]
     assert file == tmp_path / "lora.default.ptd"
     assert set(read_adapter_file(file)) == TARGETS

@@ -26,7 +26,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3RMSNor
 from transformers.models.stablelm.modeling_stablelm import StableLmAttention, StableLmRotaryEmbedding
 
 from etblocks.attention import Attention, CustomSDPA, DynamicSDPA, RotaryEmbedding, default_inv_freq
-from etblocks.kv_cache import StaticKVCache
+from etblocks.state import StaticKVCache
 
 ATOL = 1e-5
 SEQ = 11

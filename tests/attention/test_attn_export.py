@@ -16,7 +16,7 @@ from executorch.exir import to_edge
 from torch import nn
 
 from etblocks.attention import Attention, CustomSDPA, DynamicSDPA, RotaryEmbedding, default_inv_freq
-from etblocks.kv_cache import RingKVCache, StaticKVCache
+from etblocks.state import RingKVCache, StaticKVCache
 
 ATOL = 1e-5
 HEADS, KV_HEADS, HEAD_DIM, DIM = 4, 2, 8, 32
@@ -113,7 +113,7 @@ def test_custom_op_program_decodes_into_last_context_slot():
     """The dynamic contract allows a decode at position context - 1. A block fed `input_pos` directly needs
     size-oblivious tracing for that (by default T is traced as >= 2 and the cache check refuses T=1 at the last
     slot); programs that derive positions as `input_pos + arange(T)`, as etblocks.export's do, need nothing
-    (tests/test_errors.py fills a context to its last slot through the driver)."""
+    (tests/test_errors.py fills a context to its last slot through the feeder)."""
     module = make("custom")
     eager = copy.deepcopy(module)
     with torch.fx.experimental._config.patch(backed_size_oblivious=True):

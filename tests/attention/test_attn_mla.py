@@ -25,7 +25,7 @@ from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Atten
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 
 from etblocks.attention import MLAttention, RotaryEmbedding, cos_sin_from_complex
-from etblocks.kv_cache import IOKVCache, StaticKVCache
+from etblocks.state import IOKVCache, StaticKVCache
 
 ATOL = 1e-5
 SEQ = 11
@@ -312,5 +312,5 @@ def test_constructor_rejects_bad_configurations():
         build(kv_cache=StaticKVCache(1, 4, 1, 8))  # v_head_dim defaults to head_dim, not the rope dim
     with pytest.raises(ValueError, match="needs position_embeddings"):
         build()(torch.randn(1, 2, 16), torch.arange(2))
-    with pytest.raises(ValueError, match="IOKVCache needs"):
+    with pytest.raises(ValueError, match="IOKVCache is caller-owned and was not given its tensors"):
         build(kv_cache=IOKVCache(1, 8, v_head_dim=4), rope=RotaryEmbedding(torch.ones(2)))(torch.randn(1, 2, 16), torch.arange(2))

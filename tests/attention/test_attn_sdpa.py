@@ -16,7 +16,7 @@ from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_fun
 from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2_eager_attention_forward
 
 from etblocks.attention import CustomSDPA, DynamicSDPA, StaticSDPA, additive_mask, allowed_keys, attention_math
-from etblocks.kv_cache import StaticKVCache
+from etblocks.state import StaticKVCache
 
 ATOL = 1e-5
 HEADS = [(4, 4), (4, 2), (6, 2), (4, 1)]  # MHA, GQA, GQA with 3 groups, MQA

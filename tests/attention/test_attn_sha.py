@@ -32,7 +32,7 @@ from etblocks.attention import (
     StaticSDPA,
     default_inv_freq,
 )
-from etblocks.kv_cache import IOKVCache, StaticKVCache
+from etblocks.state import IOKVCache, StaticKVCache
 
 ATOL = 1e-5
 DIM, HEADS, KV_HEADS = 64, 4, 2

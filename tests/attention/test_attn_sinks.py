@@ -35,7 +35,7 @@ from etblocks.attention import (
     SingleHeadAttention,
     StaticSDPA,
 )
-from etblocks.kv_cache import IOKVCache, RingKVCache, StaticKVCache
+from etblocks.state import IOKVCache, RingKVCache, StaticKVCache
 from etblocks.swap.hf.adapter import HFAttention, HFSingleHeadAttention
 
 ATOL = 1e-5

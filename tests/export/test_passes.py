@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from etblocks.export.delegation import summarize
-from etblocks.export.passes import apply_backend_passes, rms_norm_as_primitives
+from etblocks.backends import get_backend
+from etblocks.backends.passes import rms_norm_as_primitives
 
 
 class Norms(torch.nn.Module):
@@ -47,7 +48,7 @@ def test_rms_norm_rewrite_lets_xnnpack_take_the_norms(rewrite):
 
     exported = _exported(Norms().eval(), torch.randn(1, 7, 16))
     if rewrite:
-        apply_backend_passes(exported, "xnnpack")  # what etblocks.export runs before lowering to XNNPACK
+        get_backend("xnnpack").apply_passes(exported)  # what etblocks.export runs before lowering to XNNPACK
     lowered = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])
     summary = summarize(lowered.exported_program().graph_module)
     if rewrite:
@@ -59,7 +60,7 @@ def test_rms_norm_rewrite_lets_xnnpack_take_the_norms(rewrite):
 def test_backends_without_rewrites_keep_the_norm_whole():
     """Core ML, OpenVINO and QNN take rms_norm as it decomposes: their programs are left as exported."""
     exported = _exported(Norms().eval(), torch.randn(1, 7, 16))
-    apply_backend_passes(exported, "openvino")
+    get_backend("openvino").apply_passes(exported)
     assert sum(n.target == torch.ops.aten.rms_norm.default for n in exported.graph.nodes) == 2
 
 
@@ -83,7 +84,7 @@ class HFNorms(torch.nn.Module):
 
 
 def test_mean_rewrite_keeps_the_values_and_folds_the_eps():
-    from etblocks.export.passes import mean_over_last_dim_as_linear
+    from etblocks.backends.passes import mean_over_last_dim_as_linear
 
     module, x = HFNorms().eval(), torch.randn(1, 7, 24)
     exported = _exported(module, x)
@@ -100,7 +101,7 @@ def test_mean_rewrite_keeps_the_values_and_folds_the_eps():
 
 def test_mean_rewrite_keeps_a_mean_whose_sum_is_used_elsewhere():
     """The eps is folded only into a mean whose one user is the add: here the mean is also returned."""
-    from etblocks.export.passes import mean_over_last_dim_as_linear
+    from etblocks.backends.passes import mean_over_last_dim_as_linear
 
     class TwoUsers(torch.nn.Module):
         def forward(self, x):
@@ -116,7 +117,7 @@ def test_mean_rewrite_keeps_a_mean_whose_sum_is_used_elsewhere():
 
 
 def test_dedupe_views_merges_repeated_views_only():
-    from etblocks.export.passes import dedupe_views
+    from etblocks.backends.passes import dedupe_views
 
     class Views(torch.nn.Module):
         def forward(self, x, table):
@@ -161,7 +162,7 @@ def test_mean_rewrite_on_a_graph_whose_first_input_is_a_torchao_weight():
     exported = _exported(module, torch.randn(1, 5, 32))
     first = next(n for n in exported.graph.nodes if n.op == "placeholder")
     assert not hasattr(first.meta["val"], "fake_mode"), "the test needs a subclass weight as the first placeholder"
-    apply_backend_passes(exported, "xnnpack")
+    get_backend("xnnpack").apply_passes(exported)
     assert torch.ops.aten.mean.dim not in [n.target for n in exported.graph.nodes]
     x = torch.randn(1, 9, 32)
     torch.testing.assert_close(exported.module()(x), module(x), atol=1e-5, rtol=1e-5)

@@ -15,9 +15,11 @@ from torch import nn
 
 from etblocks.attention import Attention, RotaryEmbedding, StaticSDPA, default_inv_freq
 from etblocks.errors import ConfigError
-from etblocks.export.qnn import QNN_PRECISIONS, format_readiness, qnn_quantizer, qnn_readiness
-from etblocks.export.quantize import quantize_programs, quantized_weights, top1_agreement
-from etblocks.kv_cache import IOKVCache
+from etblocks.backends.qnn.quantizer import PRECISIONS as QNN_PRECISIONS
+from etblocks.backends.qnn.quantizer import qnn_quantizer
+from etblocks.backends.qnn.readiness import format_readiness, qnn_readiness
+from etblocks.export.quantize import quantize_programs, quantized_weight_constants, top1_agreement
+from etblocks.state import IOKVCache
 
 VOCAB, DIM, HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 64, 32, 4, 2, 8, 64
 CACHE, PREFILL = 16, 8  # cache slots S; prompt length T of the prefill method
@@ -101,7 +103,7 @@ def generate(methods: dict, prompt: torch.Tensor, forced: list[int] | None = Non
 
 
 def calibrate(methods: dict) -> None:
-    """Two prompts, each a prefill and then decode steps, as quantize_programs' driver would run them."""
+    """Two prompts, each a prefill and then decode steps, as quantize_programs' feeder would run them."""
     generator = torch.Generator().manual_seed(1)
     for _ in range(2):
         generate(methods, torch.randint(0, VOCAB, (1, PREFILL), generator=generator))
@@ -194,7 +196,7 @@ def test_quantize_runs_and_stays_ready(quantized):
 
 def test_methods_share_encodings(quantized):
     _, programs = quantized
-    prefill, decode = quantized_weights(programs["prefill"]), quantized_weights(programs["decode"])
+    prefill, decode = quantized_weight_constants(programs["prefill"]), quantized_weight_constants(programs["decode"])
     assert any(key.startswith("lm_head/") for key in prefill) and prefill.keys() == decode.keys()
     for layer, (ints, scale, zero_point) in prefill.items():  # one copy of each weight can serve both methods
         assert torch.equal(ints, decode[layer][0]), layer

@@ -14,8 +14,8 @@ from hf_models import FEW_HEADS, hf_greedy, prompt_ids, family_variant, swapped_
 import etblocks
 from etblocks.cli import main
 from etblocks.errors import BackendUnavailableError
-from etblocks.export.driver import check_qnn
-from etblocks.export.qnn import format_readiness
+from etblocks.export import check_readiness
+from etblocks.backends.qnn.readiness import format_readiness
 
 # Measured with default (random-id) calibration on llama with 2 heads over 1 (FEW_HEADS): 16a8w teacher-forced
 # top-1 agreement 0.906 for the base, 0.969 and 0.875 with adapters A and B.
@@ -35,7 +35,7 @@ COVERED = {"llama": 1, "gemma3_text": 2, "gpt_oss": 2}  # gpt_oss: SHA with sink
 @pytest.mark.parametrize("name", sorted(COVERED))
 def test_quantized_qnn_program_is_fully_covered(name):
     _, swapped = swap_qnn(name, num_hidden_layers=COVERED[name])
-    report = check_qnn(swapped)  # 16a8w, the recipe's default
+    report = check_readiness(swapped, "qnn")  # 16a8w, the recipe's default
     text = format_readiness(report)
     print(text)
     assert set(report) == {"prefill", "decode"}
@@ -69,9 +69,9 @@ def teacher_forced_top1(runner: etblocks.Runner, original, prompts, new_tokens: 
 
 @pytest.mark.slow
 def test_quantized_program_runs_on_the_host(tmp_path):
-    """`export(..., backend="portable", quantize="16a8w")` runs the NPU's quantized graph here."""
+    """`export(..., backend="portable", quantize_activations="16a8w")` runs the NPU's quantized graph here."""
     original, swapped = swap_qnn("llama")
-    result = etblocks.export(swapped, backend="portable", quantize="16a8w", out=tmp_path / "q.pte")
+    result = etblocks.export(swapped, backend="portable", quantize_activations="16a8w", out=tmp_path / "q.pte")
     assert result.quantize == "16a8w"
     assert result.delegation.cpu_ops["quantized_decomposed.quantize_per_tensor"] > 0
     runner = etblocks.Runner(result.path)
@@ -93,7 +93,7 @@ def test_quantized_program_with_adapters_runs_on_the_host(tmp_path):
     for name in ADAPTERS:
         etblocks.load_adapter(swapped, dirs[name], name=name)
     reference = peft_reference(original, dirs)
-    result = etblocks.export(swapped, backend="portable", quantize="16a8w", out=tmp_path / "q.pte")
+    result = etblocks.export(swapped, backend="portable", quantize_activations="16a8w", out=tmp_path / "q.pte")
     runner = etblocks.Runner(result.path, adapters=result.adapters)
     prompts = [prompt_ids(13, seed=seed) for seed in range(4)]
     for name in ADAPTERS:
@@ -121,7 +121,7 @@ def test_cli_check_prints_the_report(capsys, tmp_path):
 
 def test_cli_check_needs_qnn(capsys):
     assert main(["export", "--model", "demo", "--backend", "xnnpack", "--check"]) == 2
-    assert "check is the QNN readiness report; it needs backend qnn" in capsys.readouterr().err
+    assert "check is the readiness report of a backend that offers one (['qnn']), not backend='xnnpack'" in capsys.readouterr().err
 
 
 def test_cli_bad_calibration_file_names_the_line(capsys, tmp_path):

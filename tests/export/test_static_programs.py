@@ -11,13 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_models import hf_greedy, original_and_copy, prompt_ids, swapped_family
-from static_refs import eager_driver, greedy
+from static_refs import eager_feeder, greedy
 
 import etblocks
 from etblocks.export.contract import StaticContract
 from etblocks.export.programs import static_program
-from etblocks.export.static_driver import group_mask
-from etblocks.kv_cache import IOKVCache
+from etblocks.export.feeders import group_mask
+from etblocks.state import IOKVCache
 from etblocks.swap.hf.adapter import HFSingleHeadAttention
 
 CHUNK = 8
@@ -41,18 +41,18 @@ def test_static_eager_matches_hf(name, backend):
     original, swapped = swap_static(name, backend)
     if backend == "qnn":
         assert all(isinstance(m, HFSingleHeadAttention) for n, m in swapped.named_modules() if n.endswith("self_attn"))
-    driver = eager_driver(swapped)
+    feeder = eager_feeder(swapped)
     for length in PROMPT_LENGTHS:
         prompt = prompt_ids(length)
         with torch.no_grad():
             expected = original(prompt).logits[0, -1]
-            driver.reset()
-            actual = driver.forward(prompt[0].tolist())
+            feeder.reset()
+            actual = feeder.forward(prompt[0].tolist())
         assert (actual - expected).abs().max().item() <= LOGIT_ATOL, f"{name} {backend} prompt {length}"
     prompt = prompt_ids(13)
     with torch.no_grad():
-        driver.reset()
-        assert greedy(driver.forward, prompt[0].tolist(), NEW_TOKENS) == hf_greedy(original, prompt, NEW_TOKENS)
+        feeder.reset()
+        assert greedy(feeder.forward, prompt[0].tolist(), NEW_TOKENS) == hf_greedy(original, prompt, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module", params=[(n, b) for n in STATIC_FAMILIES for b in ("portable", "xnnpack", "openvino")], ids=str)
@@ -95,19 +95,23 @@ def test_contract_describes_layers_and_windows():
     _, swapped = swap_static("gemma3_text", "openvino")
     contract = static_program(swapped).contract
     assert StaticContract.from_json(contract.to_json()) == contract
-    assert [g.name for g in contract.groups] == ["window6", "full"]
-    assert [layer.group for layer in contract.layers] == ["window6", "full"]
-    assert contract.cache_shapes() == [(1, 6, 2, 16)] * 2 + [(1, CONTEXT, 2, 16)] * 2
+    assert [(g.name, g.length, g.window) for g in contract.masks] == [("window6", 6, 6), ("full", CONTEXT, None)]
+    assert [(s.state, s.mask, s.update) for s in contract.states] == [
+        (0, "window6", "ring"), (0, "window6", "ring"), (1, "full", "rows"), (1, "full", "rows")
+    ]
+    assert [s.owner for s in contract.states[::2]] == [f"model.layers.{i}.self_attn.kv_cache" for i in (0, 1)]
+    assert contract.state_shapes() == [(1, 6, 2, 16)] * 2 + [(1, CONTEXT, 2, 16)] * 2
+    assert contract.paddable
     assert contract.inputs() == ["tokens", "positions", "mask.window6", "mask.full", "k_cache.0", "v_cache.0", "k_cache.1", "v_cache.1"]
     assert contract.outputs() == ["logits", "k_new.0", "v_new.0", "k_new.1", "v_new.1"]
     assert all(isinstance(m, IOKVCache) for m in (layer.self_attn.kv_cache for layer in swapped.model.layers))
 
 
 def test_window_mask_reads_only_the_last_positions():
-    """Independent of the driver's ring arithmetic: after 9 positions a window-6 cache row r holds the latest
+    """Independent of the feeder's ring arithmetic: after 9 positions a window-6 cache row r holds the latest
     position p < 9 with p % 4 == r, and a query at 9 may read positions 6, 7, 8 and itself."""
     contract = static_program(swap_static("gemma3_text", "openvino")[1]).contract
-    window = contract.group("window6")
+    window = contract.mask("window6")
     mask = group_mask(window, pos=9, n_tokens=2, dtype=torch.float32, mask_value=float("-inf"))
     held = {r: max(p for p in range(9) if p % 6 == r) for r in range(6)}  # rows hold positions 6, 7, 8, 3, 4, 5
     for q in (0, 1):
@@ -161,7 +165,7 @@ def test_mla_static_program_matches_hf_generate(name, backend, tmp_path):
     result = etblocks.export(swapped, backend=backend, out=tmp_path / f"{name}.pte")
     runner = etblocks.Runner(result.path)
     config = original.config
-    assert runner.contract.cache_shapes()[:2] == [(1, CONTEXT, 1, config.kv_lora_rank), (1, CONTEXT, 1, config.qk_rope_head_dim)]
+    assert runner.contract.state_shapes()[:2] == [(1, CONTEXT, 1, config.kv_lora_rank), (1, CONTEXT, 1, config.qk_rope_head_dim)]
     for length in PROMPT_LENGTHS:
         prompt = prompt_ids(length)
         runner.reset()

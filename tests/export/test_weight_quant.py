@@ -1,4 +1,4 @@
-"""torchao weight quantization of XNNPACK programs (`etblocks.export(..., quantize="8da4w" | "8da8w",
+"""torchao weight quantization of XNNPACK programs (`etblocks.export(..., quantize_weights="8da4w" | "8da8w",
 quantize_embedding="int8")`) against torchao's own eager quantization of the untouched transformers model.
 
 Reference: the HF model quantized in place by torchao's `quantize_` with the configs written out below (the
@@ -38,10 +38,10 @@ ONE_ROUNDING_TOL = 0.05
 
 # name: (export options, swap options, whether a LoRA adapter is loaded). Each export costs about 25 s here.
 PROGRAMS = {
-    "8da4w-g32+emb": (dict(quantize="8da4w", group_size=32, quantize_embedding="int8"), {}, False),
-    "8da8w+lora": (dict(quantize="8da8w"), {}, True),
+    "8da4w-g32+emb": (dict(quantize_weights="8da4w", group_size=32, quantize_embedding="int8"), {}, False),
+    "8da8w+lora": (dict(quantize_weights="8da8w"), {}, True),
     "emb": (dict(quantize_embedding="int8"), {}, False),
-    "static-8da4w-g64": (dict(quantize="8da4w", group_size=64), dict(shapes="static", chunk=8), False),
+    "static-8da4w-g64": (dict(quantize_weights="8da4w", group_size=64), dict(shapes="static", chunk=8), False),
 }
 RECORDED = {
     "8da4w-g32+emb": "8da4w-g32, int8 embedding",
@@ -86,7 +86,7 @@ def torchao_quantized(model: nn.Module, linear=None, embedding=None) -> nn.Modul
 
 def reference_for(name: str, base: nn.Module) -> nn.Module:
     options = PROGRAMS[name][0]
-    linear = linear_config(options["quantize"], options.get("group_size", 32)) if "quantize" in options else None
+    linear = linear_config(options["quantize_weights"], options.get("group_size", 32)) if "quantize_weights" in options else None
     embedding = embedding_config() if "quantize_embedding" in options else None
     return torchao_quantized(base, linear, embedding)
 
@@ -300,15 +300,15 @@ def _swapped(base) -> nn.Module:
 @pytest.mark.parametrize(
     "options, expected",
     [
-        (dict(backend="portable", quantize="8da4w"), "quantize='8da4w' quantizes weights for backend='xnnpack'"),
-        (dict(backend="portable", quantize_embedding="int8"), "quantize_embedding='int8' quantizes weights for backend='xnnpack'"),
-        (dict(backend="openvino", quantize="8da8w"), "quantize='8da8w' quantizes weights for backend='xnnpack' (its dynamically"),
-        (dict(quantize="int4"), "quantize='int4' is not accepted; choose one of [None, 'auto', '16a8w'"),
-        (dict(quantize_embedding="int4"), "quantize_embedding='int4' is not accepted; choose one of [None, 'int8']"),
-        (dict(quantize="8da4w", group_size=48), "group_size=48 is not accepted; give a positive multiple of 32"),
-        (dict(quantize="16a8w", quantize_embedding="int8"), "does not combine with the QnnQuantizer precision quantize='16a8w'"),
+        (dict(backend="portable", quantize_weights="8da4w"), "quantize_weights='8da4w': backend='portable' has no kernels for it; backends that run it: ['xnnpack']"),
+        (dict(backend="portable", quantize_embedding="int8"), "quantize_embedding='int8': backend='portable' has no kernels for it"),
+        (dict(backend="openvino", quantize_weights="8da8w"), "quantize_weights='8da8w': backend='openvino' has no kernels for it"),
+        (dict(quantize_weights="int4"), "quantize_weights='int4' (str) is not accepted; choose one of ['8da4w', '8da8w', 'none']"),
+        (dict(quantize_embedding="int4"), "quantize_embedding='int4' (str) is not accepted; choose one of ['int8', 'none']"),
+        (dict(quantize_weights="8da4w", group_size=48), "group_size=48 is not accepted; give a positive multiple of 32"),
+        (dict(quantize_activations="16a8w", quantize_embedding="int8"), "quantize_activations='16a8w' applies to static programs"),
         (
-            dict(quantize="8da4w", group_size=96),
+            dict(quantize_weights="8da4w", group_size=96),
             "group_size=96 does not divide model.layers.0.self_attn.q_proj's in_features=64; group sizes that divide "
             "every quantized linear's in_features ([64, 128]) and XNNPACK takes: [32, 64]",
         ),

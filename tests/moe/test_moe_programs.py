@@ -10,7 +10,8 @@ from hf_models import hf_greedy, prompt_ids, swapped_family
 import etblocks
 from etblocks.export.programs import dynamic_program
 from etblocks.moe import DenseExperts, GatherExperts, MoE
-from etblocks.swap.recipes import RECIPES
+from etblocks.backends import backends
+from etblocks.swap.recipes import recipe_for
 
 NEW_TOKENS = 32
 CONTEXT = 64
@@ -25,11 +26,11 @@ def strategies(model) -> set[str]:
     return {m.experts.strategy for m in model.modules() if isinstance(m, MoE)}
 
 
-@pytest.mark.parametrize("backend", sorted(RECIPES))
+@pytest.mark.parametrize("backend", sorted(b.name for b in backends()))
 def test_recipe_picks_the_strategy_and_options_override_it(backend):
-    _, swapped = swapped_pair("qwen3_moe", backend, chunk=8) if RECIPES[backend].static else swapped_pair("qwen3_moe", backend)
+    _, swapped = swapped_pair("qwen3_moe", backend, chunk=8) if recipe_for(backend).static else swapped_pair("qwen3_moe", backend)
     assert strategies(swapped) == {"dense" if backend in ("qnn", "coreml", "vulkan", "openvino") else "gather"}
-    other = "gather" if RECIPES[backend].moe == "dense" else "dense"
+    other = "gather" if recipe_for(backend).moe == "dense" else "dense"
     _, overridden = swapped_pair("mixtral", "xnnpack", moe=other)
     assert strategies(overridden) == {other}
 

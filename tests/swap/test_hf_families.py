@@ -8,7 +8,7 @@ from hf_models import FALLBACK_FAMILIES, FAMILIES, family_variant, hf_greedy, or
 
 import etblocks
 from etblocks.attention import CustomSDPA, DynamicSDPA
-from etblocks.kv_cache import RingKVCache
+from etblocks.state import RingKVCache
 from etblocks.swap.hf.adapter import HFCall
 
 LOGIT_ATOL = 1e-4  # fp32

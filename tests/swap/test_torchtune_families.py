@@ -8,17 +8,17 @@ import copy
 
 import pytest
 import torch
-from hf_models import assert_untouched, prompt_ids, snapshot_of
-from static_refs import eager_driver, greedy
+from hf_models import assert_untouched, prompt_ids, snapshot_of, tiny_model
+from static_refs import eager_feeder, greedy
 from torchtune_models import FAMILIES, WINDOW, original_and_copy, tune_greedy, tune_logits
 
 import etblocks
 from etblocks.errors import ConfigError, UnsupportedModelError
-from etblocks.export.driver import check_qnn
+from etblocks.export import check_readiness
 from etblocks.export.programs import dynamic_program
-from etblocks.export.qnn import format_readiness
-from etblocks.kv_cache import IOKVCache, RingKVCache, StaticKVCache
-from etblocks.swap.registry import ATTENTION
+from etblocks.backends.qnn.readiness import format_readiness
+from etblocks.state import IOKVCache, RingKVCache, StaticKVCache
+from etblocks.swap.registry import MIXERS
 from etblocks.swap.torchtune.attention import TuneAttention, TuneSingleHeadAttention
 from torchtune.modules import MultiHeadAttention, TransformerDecoder
 
@@ -77,25 +77,25 @@ def test_qnn_recipe_eager_matches_torchtune(family):
     original, swapped = _swapped(family, "qnn", chunk=8, model=STATIC_CASES[family])
     assert all(isinstance(layer.attn, TuneSingleHeadAttention) for layer in swapped.layers)
     assert all(isinstance(layer.attn.kv_cache, IOKVCache) for layer in swapped.layers)
-    driver = eager_driver(swapped)
+    feeder = eager_feeder(swapped)
     for length in (5, 8, 13, 20):
         prompt = prompt_ids(length)
         with torch.no_grad():
-            driver.reset()
-            actual = driver.forward(prompt[0].tolist())
+            feeder.reset()
+            actual = feeder.forward(prompt[0].tolist())
         error = (actual - tune_logits(original, prompt)[0, -1]).abs().max().item()
         assert error <= LOGIT_ATOL, f"prompt of {length}: max abs logit error {error:.3g}"
     prompt = prompt_ids(12)
     with torch.no_grad():
-        driver.reset()
-        tokens = greedy(driver.forward, prompt[0].tolist(), NEW_TOKENS)
+        feeder.reset()
+        tokens = greedy(feeder.forward, prompt[0].tolist(), NEW_TOKENS)
     assert tokens == tune_greedy(original, prompt, NEW_TOKENS, cached=not STATIC_CASES[family])
 
 
 def _exported_tokens(swapped, tmp_path, name: str, prompt: torch.Tensor) -> list[int]:
-    result = etblocks.export(swapped, backend="xnnpack", out=tmp_path / f"{name}.pte", quantize=None)
+    result = etblocks.export(swapped, backend="xnnpack", out=tmp_path / f"{name}.pte", quantize_activations=None)
     assert result.delegation.ops_per_delegate.get("XnnpackBackend", 0) > 0
-    # torchtune's RMSNorm (F.rms_norm) is delegated whole once rewritten (etblocks.export.passes)
+    # torchtune's RMSNorm (F.rms_norm) is delegated whole once rewritten (etblocks.backends.passes)
     assert not {"aten.rms_norm.default", "aten.add.Scalar", "aten.mean.dim"} & set(result.delegation.cpu_ops)
     return etblocks.Runner(result.path).generate(prompt[0].tolist(), max_new_tokens=NEW_TOKENS)
 
@@ -161,7 +161,7 @@ def test_quantized_qnn_program_is_fully_covered():
     """What QNN would lower (16a8w, the recipe's default), checked op by op without the SDK."""
     few_heads = dict(num_layers=1, num_heads=2, num_kv_heads=1)  # a cheaper check, as hf_models.FEW_HEADS says
     _, swapped = _swapped("llama3_2", "qnn", chunk=8, model=few_heads)
-    report = check_qnn(swapped)
+    report = check_readiness(swapped, "qnn")
     assert set(report) == {"prefill", "decode"}
     for method, readiness in report.items():
         assert readiness.ready, f"{method}:\n{format_readiness(report)}"
@@ -173,9 +173,10 @@ def test_one_registry_for_every_kind():
     torchtune's MultiHeadAttention wins over the built-in one, as it would for a transformers class."""
     original, model = original_and_copy("llama3_2")
     etblocks.swap(copy.deepcopy(model), max_seq_len=64)  # registers the torchtune converters
-    builtin = ATTENTION.lookup(original.layers[0].attn)
+    etblocks.swap(tiny_model("llama"), max_seq_len=64)  # and the transformers families, on first use
+    builtin = MIXERS.lookup(original.layers[0].attn)
     assert builtin is not None
-    assert "LlamaAttention" in ATTENTION.supported() and "MultiHeadAttention" in ATTENTION.supported()
+    assert "LlamaAttention" in MIXERS.supported() and "MultiHeadAttention" in MIXERS.supported()
 
     class Recorded(MultiHeadAttention):
         pass

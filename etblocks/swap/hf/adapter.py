@@ -6,14 +6,14 @@ import torch
 
 from etblocks.attention.mha import Attention
 from etblocks.attention.sha import SingleHeadAttention
-from etblocks.swap.blocks import run_block
 
 
 class HFCall:
-    """Mixin: accept transformers' attention call, run the block, return `(output, None)`.
+    """Mixin: accept transformers' attention call, run the mixer (`etblocks.state.mixer`), return `(output, None)`.
 
-    The block keeps its own KV cache (or gets a caller-owned one bound by the static program): transformers'
-    `cache` argument is ignored, and the absolute positions come from `position_ids` (`[1, T]`), which the HF
+    Put it before any mixer class (`class HFMyMixer(HFCall, MyMixer)`) to call the mixer where transformers calls
+    an attention module. The mixer keeps its own state (or gets caller-owned state bound by the static program):
+    transformers' `cache` argument is ignored, and the absolute positions come from `position_ids` (`[1, T]`), which the HF
     decoder layers pass down. `position_embeddings` are the `(cos, sin)` the HF model computed for this layer,
     so every rope variant the model knows is reproduced exactly. `use_rope=False` marks a layer without
     rotation (SmolLM3's NoPE layers). `half_rope_tables=True` marks tables of `Dh/2` frequencies (GPT-OSS
@@ -42,7 +42,7 @@ class HFCall:
         rope = position_embeddings if self.use_rope else None
         if rope is not None and self.half_rope_tables:
             rope = tuple(torch.cat((t, t), dim=-1) for t in rope)
-        return run_block(super().forward, self.kv_cache, hidden_states, position_ids[0], rope), None
+        return super().forward(hidden_states, position_ids[0], rope), None
 
 
 class HFAttention(HFCall, Attention):

@@ -39,7 +39,7 @@ def sliding_window_of(module: nn.Module, layout: HFAttentionLayout) -> int | Non
     return getattr(module, "sliding_window", None)
 
 
-def build_attention(
+def attention_from_layout(
     module: nn.Module, layout: HFAttentionLayout, ctx: SwapContext, sliding_window: int | None = ...
 ) -> HFAttention | HFSingleHeadAttention:
     """An `HFAttention` (or, for `attention="sha"`, an `HFSingleHeadAttention`) holding `module`'s projections

@@ -7,16 +7,15 @@ applied after attention), so decode cost per cached token is `kv_lora_rank + qk_
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 from torch import nn
 
 from etblocks.attention.mla import MLAttention, cos_sin_from_complex
-from etblocks.kv_cache.io import IOKVCache
-from etblocks.kv_cache.static import StaticKVCache
+from etblocks.state.io import IOKVCache
+from etblocks.state.static import StaticKVCache
+from etblocks.swap.hf import upstream_class
 from etblocks.swap.hf.adapter import HFCall
-from etblocks.swap.registry import ATTENTION, MODULES, SwapContext
+from etblocks.swap.registry import MIXERS, MODULES, SwapContext
 
 
 class HFMLAttention(HFCall, MLAttention):
@@ -54,8 +53,8 @@ def convert_mla(module: nn.Module, ctx: SwapContext) -> HFMLAttention:
     config = module.config
     rank, rope_dim = config.kv_lora_rank, config.qk_rope_head_dim
     dtype = module.kv_b_proj.weight.dtype
-    if recipe.cache == "io":
-        cache = IOKVCache(1, rank, v_head_dim=rope_dim)
+    if ctx.caller_owned:
+        cache = IOKVCache(1, rank, v_head_dim=rope_dim, max_seq_len=ctx.max_seq_len, dtype=recipe.dtype)
     else:
         cache = StaticKVCache(
             ctx.max_batch_size, ctx.max_seq_len, 1, rank, dtype,
@@ -88,10 +87,5 @@ MLA_FAMILIES = {"deepseek_v2": "DeepseekV2Attention", "deepseek_v3": "DeepseekV3
 
 def register_mla_families() -> None:
     for model_type, class_name in MLA_FAMILIES.items():
-        try:
-            module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-        except ImportError:
-            continue
-        ATTENTION.register(getattr(module, class_name))(convert_mla)
-        if model_type == "deepseek_v2":
-            MODULES.register(module.DeepseekV2RotaryEmbedding, same_output=False)(lambda upstream, ctx: RealRotaryEmbedding(upstream))
+        MIXERS.register(upstream_class(model_type, class_name), replace=False)(convert_mla)
+    MODULES.register(upstream_class("deepseek_v2", "DeepseekV2RotaryEmbedding"), same_output=False, replace=False)(lambda upstream, ctx: RealRotaryEmbedding(upstream))

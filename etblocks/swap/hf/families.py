@@ -7,12 +7,13 @@ in `moe.py`. A family is listed here once its parity (eager logits and exported 
 
 from __future__ import annotations
 
-import importlib
-
 from torch import nn
 
-from etblocks.swap.hf.convert import HFAttentionLayout, build_attention
-from etblocks.swap.registry import ATTENTION, SwapContext
+from etblocks.swap.hf import upstream_class
+from etblocks.swap.hf.convert import HFAttentionLayout, attention_from_layout
+from etblocks.swap.hf.deepseek import register_mla_families
+from etblocks.swap.hf.moe import register_moe_families
+from etblocks.swap.registry import MIXERS, SwapContext
 
 STANDARD = HFAttentionLayout()
 HEAD_NORM = HFAttentionLayout(qk_norm="head")
@@ -46,19 +47,19 @@ STABLELM_QK_NORM = HFAttentionLayout(qk_norm="heads_first", q_norm="q_layernorm"
 
 def _exaone4(module: nn.Module, ctx: SwapContext) -> nn.Module:
     """EXAONE 4 stores the window on every layer but uses it, and rope, only on sliding layers (when it has any)."""
-    block = build_attention(module, HEAD_NORM, ctx, sliding_window=module.sliding_window if module.is_sliding else None)
+    block = attention_from_layout(module, HEAD_NORM, ctx, sliding_window=module.sliding_window if module.is_sliding else None)
     block.use_rope = module.sliding_window is None or module.is_sliding
     return block
 
 
 def _stablelm(module: nn.Module, ctx: SwapContext) -> nn.Module:
-    return build_attention(module, STABLELM_QK_NORM if module.qk_layernorm else STANDARD, ctx)
+    return attention_from_layout(module, STABLELM_QK_NORM if module.qk_layernorm else STANDARD, ctx)
 
 
 def _olmoe(module: nn.Module, ctx: SwapContext) -> nn.Module:
     if module.config.clip_qkv is not None:
         raise ValueError(f"config.clip_qkv={module.config.clip_qkv} (clamping q/k/v) is not supported; accepted: None")
-    return build_attention(module, FAMILIES["olmoe"][1], ctx)
+    return attention_from_layout(module, FAMILIES["olmoe"][1], ctx)
 
 
 SPECIAL_CONVERTERS = {"exaone4": _exaone4, "stablelm": _stablelm, "olmoe": _olmoe}
@@ -66,22 +67,15 @@ SPECIAL_CONVERTERS = {"exaone4": _exaone4, "stablelm": _stablelm, "olmoe": _olmo
 
 def _converter(layout: HFAttentionLayout):
     def convert(module: nn.Module, ctx: SwapContext) -> nn.Module:
-        return build_attention(module, layout, ctx)
+        return attention_from_layout(module, layout, ctx)
 
     return convert
 
 
 def register_families() -> None:
-    """Register every family whose transformers module imports here (a missing one is simply not offered)."""
-    from etblocks.swap.hf.deepseek import register_mla_families
-    from etblocks.swap.hf.moe import register_moe_families
-
+    """Register every family's converters (attention, MLA, MoE), by class name; never over a user's own."""
     register_mla_families()
     register_moe_families()
     for model_type, (class_name, layout) in FAMILIES.items():
-        try:
-            module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-        except ImportError:
-            continue
         converter = SPECIAL_CONVERTERS.get(model_type) or _converter(layout)
-        ATTENTION.register(getattr(module, class_name))(converter)
+        MIXERS.register(upstream_class(model_type, class_name), replace=False)(converter)

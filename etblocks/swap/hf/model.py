@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from etblocks.errors import UnsupportedModelError
+from etblocks.swap.hf.families import register_families
 from etblocks.swap.hf.moe import MOE_FAMILIES
 from etblocks.swap.kinds import ModelKind
 
@@ -20,7 +21,7 @@ def is_hf_causal_lm(model: nn.Module) -> bool:
     return isinstance(model, PreTrainedModel) and hasattr(model, "config")
 
 
-def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def mixer_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The outermost modules that are attention: named `self_attn` (transformers' convention) or of a class
     named `...Attention` (what families with other names use, e.g. GPT-2's `attn`)."""
     found: list[tuple[str, nn.Module]] = []
@@ -86,8 +87,16 @@ class TransformersKind(ModelKind):
     def matches(self, model: nn.Module) -> bool:
         return is_hf_causal_lm(model)
 
-    def attention_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
-        return attention_modules(model)
+    def __init__(self) -> None:
+        self._registered = False
+
+    def prepare(self) -> None:
+        if not self._registered:
+            register_families()
+            self._registered = True
+
+    def mixer_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        return mixer_modules(model)
 
     def max_positions(self, model: nn.Module) -> int | None:
         return getattr(model.config, "max_position_embeddings", None)

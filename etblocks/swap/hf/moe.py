@@ -7,12 +7,11 @@ converters read the fused weights once into the block's layout; routers and shar
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 from torch import nn
 
 from etblocks.moe import EXPERT_STRATEGIES, ClampedSwiGLU, Experts, GroupedTopKRouter, MoE, SwiGLU, TopKRouter
+from etblocks.swap.hf import upstream_class
 from etblocks.swap.registry import MODULES, SwapContext
 
 
@@ -103,8 +102,4 @@ MOE_FAMILIES = {
 
 def register_moe_families() -> None:
     for model_type, (class_name, converter) in MOE_FAMILIES.items():
-        try:
-            module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-        except ImportError:
-            continue
-        MODULES.register(getattr(module, class_name))(converter)
+        MODULES.register(upstream_class(model_type, class_name), replace=False)(converter)

@@ -10,7 +10,7 @@ from etblocks.attention.mha import Attention
 from etblocks.attention.rope import RotaryEmbedding
 from etblocks.attention.sha import ProjectionPart, SingleHeadAttention
 from etblocks.errors import ConfigError
-from etblocks.swap.blocks import run_block, sdpa_and_cache
+from etblocks.swap.blocks import sdpa_and_cache
 from etblocks.swap.registry import SwapContext
 from etblocks.swap.torchtune.lora import base_linear
 
@@ -29,8 +29,8 @@ OUTPUT_PROJ = "output_proj"
 
 class TuneCall:
     """Mixin: accept torchtune's self-attention call `attn(x, x, mask=None, input_pos=positions [1, T])` and run
-    the block over those absolute positions with its own cache (or a caller-owned one bound by the static
-    program).
+    the mixer (`etblocks.state.mixer`) over those absolute positions with its own state (or caller-owned state
+    bound by the static program).
 
     The block masks causally from positions, so it takes no mask. `cache_enabled = False` tells torchtune's
     decoder that torchtune's own cache protocol is off, so it asks for no mask either.
@@ -48,7 +48,7 @@ class TuneCall:
         if input_pos is None or input_pos.shape[0] != 1:
             shape = None if input_pos is None else tuple(input_pos.shape)
             raise ValueError(f"etblocks attention needs the absolute positions input_pos [1, T] of one sequence; got {shape}")
-        return run_block(super().forward, self.kv_cache, x, input_pos[0])
+        return super().forward(x, input_pos[0])
 
     def setup_cache(self, *args, **kwargs) -> None:
         """torchtune's `model.setup_caches()` lands here: the block already owns its cache."""
@@ -81,7 +81,7 @@ def rotary(pos_embeddings: nn.Module | None, head_dim: int, ropes: dict[type, bo
     return RotaryEmbedding(pos_embeddings.theta, interleaved=interleaved)
 
 
-def build_attention(
+def attention_from_torchtune(
     module: nn.Module,
     ctx: SwapContext,
     ropes: dict[type, bool],
@@ -117,7 +117,7 @@ def multi_head_attention(ropes: dict[type, bool]):
     """The converter of torchtune's `MultiHeadAttention` (scores scaled by `1 / sqrt(head_dim)`)."""
 
     def convert(module: nn.Module, ctx: SwapContext) -> nn.Module:
-        return build_attention(module, ctx, ropes, scale=module.head_dim**-0.5)
+        return attention_from_torchtune(module, ctx, ropes, scale=module.head_dim**-0.5)
 
     return convert
 
@@ -126,7 +126,7 @@ def gemma2_attention(ropes: dict[type, bool]):
     """The converter of torchtune's `Gemma2Attention`: its own scale, score softcap and per-layer window."""
 
     def convert(module: nn.Module, ctx: SwapContext) -> nn.Module:
-        return build_attention(
+        return attention_from_torchtune(
             module, ctx, ropes, scale=module.scaling, softcap=module.softcapping, window=module.sliding_window_size
         )
 

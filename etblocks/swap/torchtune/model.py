@@ -12,7 +12,7 @@ from torch import nn
 from etblocks.adapters.lora import LoRATensors
 from etblocks.errors import UnsupportedModelError
 from etblocks.swap.kinds import ModelKind
-from etblocks.swap.registry import ATTENTION, MODULES
+from etblocks.swap.registry import MIXERS, MODULES
 from etblocks.swap.torchtune.attention import ROPES, gemma2_attention, multi_head_attention
 from etblocks.swap.torchtune.lora import base_linear, is_lora_linear, lora_tensors
 from etblocks.torchtune_compat import import_torchtune, is_torchtune_decoder
@@ -40,13 +40,13 @@ class TorchtuneKind(ModelKind):
         from torchtune.modules.peft import LoRALinear
 
         ropes = {getattr(importlib.import_module(module), name): interleaved for (module, name), interleaved in ROPES.items()}
-        ATTENTION.register(MultiHeadAttention)(multi_head_attention(ropes))
-        ATTENTION.register(Gemma2Attention)(gemma2_attention(ropes))
+        MIXERS.register(MultiHeadAttention, replace=False)(multi_head_attention(ropes))
+        MIXERS.register(Gemma2Attention, replace=False)(gemma2_attention(ropes))
         # Outside attention (MLP, output): the base layer now, the LoRA half loaded back as an adapter after the swap.
-        MODULES.register(LoRALinear, same_output=False)(lambda module, ctx: base_linear(module))
+        MODULES.register(LoRALinear, same_output=False, replace=False)(lambda module, ctx: base_linear(module))
         self._registered = True
 
-    def attention_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+    def mixer_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         from torchtune.modules import TransformerSelfAttentionLayer
 
         for i, layer in enumerate(model.layers):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from etblocks.kv_cache.base import KVCache
+from etblocks.state.kv import KVCache
+from etblocks.state.spec import RING
 
 
 class RingKVCache(KVCache):
@@ -19,6 +20,8 @@ class RingKVCache(KVCache):
     attention, so rows left from an earlier sequence are never read after the runner restarts at position 0.
     """
 
+    update_kind = RING
+
     def __init__(
         self,
         max_batch_size: int,
@@ -31,7 +34,7 @@ class RingKVCache(KVCache):
 
     @property
     def window(self) -> int:
-        return self.k_cache.shape[1]
+        return self.length
 
     @property
     def slot_positions(self) -> torch.Tensor:

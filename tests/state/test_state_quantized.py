@@ -11,8 +11,8 @@ import torch
 import etblocks
 from etblocks.attention.sdpa import CustomSDPA, QuantizedCustomSDPA
 from etblocks.errors import ConfigError, UnsupportedModelError
-from etblocks.kv_cache import IOKVCache, RingKVCache, StaticKVCache
-from etblocks.kv_cache.quantized import (
+from etblocks.state import IOKVCache, RingKVCache, StaticKVCache
+from etblocks.state.quantized import (
     QuantizedIOKVCache,
     QuantizedKVCache,
     QuantizedRingKVCache,
@@ -87,16 +87,21 @@ def test_ring_cache_equals_a_float_ring_fed_quantized_rows():
 
 
 def test_io_cache_reads_and_returns_int8_rows():
-    io, int8_io = IOKVCache(KV_HEADS, DIM), QuantizedIOKVCache(KV_HEADS, DIM)
-    layout = int8_io.layout(6, torch.float32)
-    assert [t.name for t in layout] == ["k_cache", "k_scales", "k_zero_points", "v_cache", "v_scales", "v_zero_points"]
+    io, int8_io = IOKVCache(KV_HEADS, DIM, max_seq_len=6), QuantizedIOKVCache(KV_HEADS, DIM, max_seq_len=6)
+    specs = int8_io.specs()
+    assert [s.name for s in specs] == ["k_cache", "k_scales", "k_zero_points", "v_cache", "v_scales", "v_zero_points"]
+    assert {s.update for s in specs} == {"rows"}
     cached_k, cached_v = torch.randn(2, 1, 6, KV_HEADS, DIM)
     caches = (*quantize_rows_aten(cached_k), *quantize_rows_aten(cached_v))
-    assert [(tuple(c.shape), c.dtype) for c in caches] == [(t.shape, t.dtype) for t in layout]
+    assert [(tuple(c.shape), c.dtype) for c in caches] == [(s.shape, s.dtype) for s in specs]
     k, v = torch.randn(2, 1, 3, KV_HEADS, DIM)
-    k_all, v_all, new_rows = int8_io.update(k, v, *caches)
+    positions = torch.arange(6, 9)
+    int8_io.bind(caches)
+    k_all, v_all, _ = int8_io.update(positions, k, v)
+    new_rows = int8_io.take()
     fq = lambda x: dequantize_rows_aten(quantize_rows_aten(x), torch.float32)  # noqa: E731
-    e_k, e_v, _ = io.update(fq(k), fq(v), fq(cached_k), fq(cached_v))
+    io.bind((fq(cached_k), fq(cached_v)))
+    e_k, e_v, _ = io.update(positions, fq(k), fq(v))
     torch.testing.assert_close(k_all, e_k, rtol=0, atol=1e-6)
     torch.testing.assert_close(v_all, e_v, rtol=0, atol=1e-6)
     assert [r.shape[1] for r in new_rows] == [3] * 6 and new_rows[0].dtype == torch.int8
@@ -221,7 +226,7 @@ def test_int8_io_cache_program_contract_restore_and_continue(int8_program):
     [
         ("qnn", {}, "attention='mha'"),
         ("coreml", {}, "coremltools"),
-        ("xnnpack", {"kv_quantize": "int4"}, r"kv_quantize='int4' is not accepted"),
+        ("xnnpack", {"kv_quantize": "int4"}, r"kv_quantize='int4' \(str\) is not accepted"),
         ("xnnpack", {"dtype": torch.float16}, "dtype=torch.float32"),
     ],
 )
@@ -256,9 +261,9 @@ def test_float_twin_probe_still_catches_a_wrong_conversion():
     """The probe of an int8 swap checks the conversion in float: a broken converter still fails it."""
     from transformers.models.llama.modeling_llama import LlamaAttention
 
-    from etblocks.swap.registry import ATTENTION
+    from etblocks.swap.registry import MIXERS
 
-    original_converter = ATTENTION.lookup(tiny_model("llama").model.layers[0].self_attn)
+    original_converter = MIXERS.lookup(tiny_model("llama").model.layers[0].self_attn)
 
     def scaled(module, ctx):
         block = original_converter(module, ctx)
@@ -266,9 +271,9 @@ def test_float_twin_probe_still_catches_a_wrong_conversion():
         return block
 
     model = tiny_model("llama")
-    ATTENTION.register(LlamaAttention)(scaled)
+    MIXERS.register(LlamaAttention)(scaled)
     try:
         with pytest.raises(UnsupportedModelError, match="does not match"):
             etblocks.swap(copy.deepcopy(model), backend="xnnpack", kv_quantize="int8")
     finally:
-        ATTENTION.register(LlamaAttention)(original_converter)
+        MIXERS.register(LlamaAttention)(original_converter)

@@ -17,7 +17,7 @@ from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_fun
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from etblocks.attention import Attention, DynamicSDPA, RotaryEmbedding, default_inv_freq
-from etblocks.kv_cache import RingKVCache
+from etblocks.state import RingKVCache
 
 ATOL = 1e-5
 HEADS, KV_HEADS, HEAD_DIM, DIM, BASE = 4, 2, 8, 32, 10000.0

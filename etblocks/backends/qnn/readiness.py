@@ -1,33 +1,20 @@
-"""Qualcomm QNN (HTP) without the Qualcomm SDK: the `QnnQuantizer` for pt2e quantization
-(`etblocks.export.quantize` runs it), and a readiness check.
+"""QNN (HTP) readiness without the Qualcomm SDK.
 
-Quantization runs fully here: it needs only ExecuTorch's Python quantizer. Lowering needs the SDK
-(`QnnPartitioner` and `QnnBackend` validate and compile through the SDK's libraries), so `qnn_readiness`
-runs everything of `to_edge_transform_and_lower_to_qnn` that does not: QNN's export passes, QNN's edge
-decompositions and to-edge passes, QNN's per-node support check and QNN's graph build, each stopping
-where the SDK would be called.
-
-Everything from `executorch.backends.qualcomm` is imported inside the functions, so importing this module
-costs nothing when QNN is not used.
+Lowering needs the SDK (`QnnPartitioner` and `QnnBackend` validate and compile through the SDK's libraries), so
+`qnn_readiness` runs everything of `to_edge_transform_and_lower_to_qnn` that does not: QNN's export passes, QNN's
+edge decompositions and to-edge passes, QNN's per-node support check and QNN's graph build, each stopping where
+the SDK would be called.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
-import os
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any
 
 import torch
-
-from etblocks.errors import ConfigError
-from etblocks.swap.recipes import QUANTIZE_QNN as QNN_PRECISIONS
-
-if TYPE_CHECKING:
-    from executorch.backends.qualcomm.quantizer.quantizer import QnnQuantizer
 
 # Output dtypes of the ops a QNN HTP graph can hold: float32 (run in fp16, or quantized), float16, the
 # fixed-point types quantized tensors use (u)int8/(u)int16, int32 (indices, after QNN's I64toI32 pass), bool.
@@ -54,47 +41,6 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 def _shapes(value: Any) -> str:
     return ", ".join(str(list(t.shape)) for t in _tensors(value))
-
-
-@contextlib.contextmanager
-def _no_sdk_download() -> Iterator[None]:
-    """Keep ExecuTorch from downloading the Qualcomm SDK when none is configured.
-
-    `QnnQuantizer()` looks for the SDK's op-constraint tables and, with `QNN_SDK_ROOT` unset, downloads the
-    SDK to get them. An empty `QNN_SDK_ROOT` tells ExecuTorch the caller manages the SDK, so it falls back
-    to no constraint validation instead (etblocks never fetches the SDK; `backends.py` asks for it). The
-    variable is restored afterwards; ExecuTorch remembers the SDK as set up for this process, which is
-    what etblocks wants anyway.
-    """
-    if os.environ.get("QNN_SDK_ROOT") is not None:
-        yield
-        return
-    os.environ["QNN_SDK_ROOT"] = ""
-    try:
-        yield
-    finally:
-        os.environ.pop("QNN_SDK_ROOT", None)
-
-
-def qnn_quantizer(precision: str = "16a8w") -> QnnQuantizer:
-    """A `QnnQuantizer` for HTP: per-channel linear/conv weights and min/max activation ranges, as
-    ExecuTorch's Qualcomm LLM recipes use. `precision` is activation bits + weight bits: 16a8w is the usual
-    LLM choice, 16a4w halves its weight memory, 8a8w also halves activation traffic (and needs activation
-    ranges narrow enough for 256 levels)."""
-    if precision not in QNN_PRECISIONS:
-        raise ConfigError(f"precision={precision!r} is not a QNN precision; accepted: {list(QNN_PRECISIONS)}")
-    from executorch.backends.qualcomm.quantizer.quantizer import QnnQuantizer, QuantDtype
-    from torchao.quantization.pt2e import MinMaxObserver
-
-    with _no_sdk_download():
-        quantizer = QnnQuantizer()
-    quantizer.set_default_quant_config(
-        getattr(QuantDtype, f"use_{precision}"),
-        is_conv_per_channel=True,
-        is_linear_per_channel=True,
-        act_observer=MinMaxObserver,
-    )
-    return quantizer
 
 
 @dataclass
@@ -244,7 +190,18 @@ def _build_error(edge_program: torch.export.ExportedProgram) -> str | None:
     return None
 
 
-def qnn_readiness(programs: dict[str, torch.export.ExportedProgram]) -> dict[str, QnnReadiness]:
+class QnnReport(dict):
+    """`{method: QnnReadiness}`; printed, the table of `format_readiness`."""
+
+    @property
+    def ready(self) -> bool:
+        return all(r.ready for r in self.values())
+
+    def __str__(self) -> str:
+        return format_readiness(self)
+
+
+def qnn_readiness(programs: dict[str, torch.export.ExportedProgram]) -> QnnReport:
     """Whether each method would lower to QNN HTP in full, checked as far as possible without the SDK.
 
     Runs the pipeline of `to_edge_transform_and_lower_to_qnn` (HTP) on copies of the graphs:
@@ -273,7 +230,7 @@ def qnn_readiness(programs: dict[str, torch.export.ExportedProgram]) -> dict[str
         partitioner={name: [_probe_partitioner()] for name in aten},
         compile_config=qnn_edge_config(),
     )
-    report = {}
+    report = QnnReport()
     for name in programs:
         edge_program = edge.exported_program(name)
         ops, uncovered, reasons = _coverage(edge_program)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from etblocks.kv_cache.base import KVCache
+from etblocks.ops import load_llama_custom_ops
+from etblocks.state.kv import KVCache
 
 
 class StaticKVCache(KVCache):
@@ -26,8 +27,6 @@ class StaticKVCache(KVCache):
         super().__init__(max_batch_size, max_seq_len, n_kv_heads, head_dim, dtype, v_head_dim)
         self.use_custom_op = use_custom_op
         if use_custom_op:
-            from etblocks.attention.sdpa import load_llama_custom_ops
-
             load_llama_custom_ops()
 
     def _allocate(self, length: int) -> None:

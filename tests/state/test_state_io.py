@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from etblocks.attention import Attention, DynamicSDPA, RotaryEmbedding, StaticSDPA, additive_mask, allowed_keys, default_inv_freq
-from etblocks.kv_cache import IOKVCache, RingKVCache, StaticKVCache
+from etblocks.state import IOKVCache, RingKVCache, StaticKVCache
 
 ATOL = 1e-5
 HEADS, KV_HEADS, HEAD_DIM, DIM = 6, 2, 8, 24
@@ -159,11 +159,20 @@ def test_the_mask_is_what_hides_empty_slots():
 
 
 def test_update_appends_rows_and_keeps_no_state():
-    cache = IOKVCache(KV_HEADS, HEAD_DIM)
+    cache = IOKVCache(KV_HEADS, HEAD_DIM, max_seq_len=5)
     assert list(cache.buffers()) == [] and cache.state_dict() == {}
+    assert [(s.name, s.shape, s.update) for s in cache.specs()] == [
+        ("k_cache", (1, 5, KV_HEADS, HEAD_DIM), "rows"), ("v_cache", (1, 5, KV_HEADS, HEAD_DIM), "rows")
+    ]
+    assert [(s.shape, s.update) for s in IOKVCache(KV_HEADS, HEAD_DIM, max_seq_len=5, window=3).specs()] == [
+        ((1, 3, KV_HEADS, HEAD_DIM), "ring")
+    ] * 2
     k_cache, v_cache = torch.zeros(1, 5, KV_HEADS, HEAD_DIM), torch.ones(1, 5, KV_HEADS, HEAD_DIM)
     k, v = torch.randn(1, 2, KV_HEADS, HEAD_DIM), torch.randn(1, 2, KV_HEADS, HEAD_DIM)
-    k_all, v_all, new_rows = cache.update(k, v, k_cache, v_cache)
+    cache.bind((k_cache, v_cache))
+    k_all, v_all, k_pos = cache.update(torch.arange(5, 7), k, v)
+    new_rows = cache.take()
+    assert k_pos is None  # the caller's mask says which rows are filled
     assert k_all.shape == v_all.shape == (1, 7, KV_HEADS, HEAD_DIM)
     assert new_rows[0] is k and new_rows[1] is v
     assert torch.equal(k_all[:, 5:], k) and torch.equal(v_all[:, :5], v_cache)
@@ -174,7 +183,7 @@ def test_io_attention_requires_kv_and_mask():
     io, _ = pair(cache_len=4)
     x = torch.randn(1, 2, DIM)
     kv = (torch.zeros(1, 4, KV_HEADS, HEAD_DIM), torch.zeros(1, 4, KV_HEADS, HEAD_DIM))
-    with pytest.raises(ValueError, match="IOKVCache"):
+    with pytest.raises(ValueError, match="IOKVCache is caller-owned and was not given its tensors"):
         io(x, torch.arange(2), mask=torch.zeros(2, 6))
-    with pytest.raises(ValueError, match="IOKVCache"):
+    with pytest.raises(ValueError, match="StaticSDPA needs the caller's additive mask"):
         io(x, torch.arange(2), kv=kv)

@@ -1,4 +1,5 @@
-"""Graph rewrites applied to an exported program before lowering, per backend."""
+"""Graph rewrites of an exported program before lowering; each backend picks its own (`Backend.graph_passes`).
+Core ML, OpenVINO and QNN take rms_norm as it decomposes (QNN has its own RmsNorm op): they use none."""
 
 from __future__ import annotations
 
@@ -153,12 +154,3 @@ def dedupe_views(exported: torch.export.ExportedProgram) -> int:
     exported.graph_module.recompile()
     return merged
 
-
-# Core ML, OpenVINO and QNN take rms_norm as it decomposes (QNN has its own RmsNorm op): no rewrite for them.
-BACKEND_PASSES = {"xnnpack": [rms_norm_as_primitives, mean_over_last_dim_as_linear, dedupe_views], "vulkan": [rms_norm_as_primitives]}
-
-
-def apply_backend_passes(exported: torch.export.ExportedProgram, backend: str) -> None:
-    """Rewrite `exported` in place with `backend`'s passes (none for a backend without any), before lowering."""
-    for rewrite in BACKEND_PASSES.get(backend, []):
-        rewrite(exported)

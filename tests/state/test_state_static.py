@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from etblocks.kv_cache import KVCache, StaticKVCache, find_caches, reset_caches
+from etblocks.state import KVCache, StaticKVCache, find_states, reset_states
 
 BSZ, LEN, KV_HEADS, HEAD_DIM = 2, 24, 3, 8
 
@@ -98,14 +98,14 @@ def test_resize_reallocates_with_positions():
     assert k_pos.shape == (40,) and cache.k_cache[:, 30:33].eq(1).all()
 
 
-def test_find_and_reset_caches_in_a_module_tree():
+def test_find_and_reset_states_in_a_module_tree():
     model = nn.ModuleDict(
         {"a": StaticKVCache(1, 4, 1, 2), "b": nn.Sequential(nn.Linear(2, 2), StaticKVCache(1, 6, 1, 2))}
     )
-    caches = find_caches(model)
+    caches = find_states(model)
     assert len(caches) == 2 and all(isinstance(c, KVCache) for c in caches)
     for c in caches:
         c.k_cache.fill_(1.0)
         c.v_cache.fill_(1.0)
-    reset_caches(model)
+    reset_states(model)
     assert all(not c.k_cache.any() and not c.v_cache.any() for c in caches)

@@ -1,6 +1,6 @@
 """What each ExecuTorch backend can do on this machine, found by trying (`etblocks backends`).
 
-For each backend in `etblocks.export.backends.BACKENDS`: is its package installed, does a tiny `nn.Linear`
+For each registered backend (`etblocks.backends`): is its package installed, does a tiny `nn.Linear`
 lower through `to_edge_transform_and_lower` with its partitioners, and does the lowered program run in the
 ExecuTorch Python runtime here and match eager PyTorch.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from etblocks.export.backends import BACKENDS, Backend, get_backend, is_installed, runtime_backends
+from etblocks.backends import Backend, backends, get_backend
 
 PROBE_IN, PROBE_OUT, PROBE_BATCH = 16, 8, 2
 
@@ -84,6 +84,13 @@ def _tiny_module() -> tuple[nn.Module, torch.Tensor]:
     return module, torch.randn(PROBE_BATCH, PROBE_IN, generator=generator)
 
 
+def runtime_backends() -> set[str]:
+    """Delegates compiled into the ExecuTorch Python runtime on this machine."""
+    from executorch.runtime import Runtime
+
+    return set(Runtime.get().backend_registry.registered_backend_names)
+
+
 def _delegate_count(graph_module: torch.fx.GraphModule) -> int:
     return sum(
         1
@@ -96,11 +103,12 @@ def probe_backend(backend: Backend | str, quiet: bool = True) -> BackendReport:
     """Try `backend` on a tiny `nn.Linear`: import, lower, run. Never raises for a backend's own failure."""
     backend = get_backend(backend) if isinstance(backend, str) else backend
     not_tried = Check(None)
-    if not is_installed(backend):
+    if not backend.is_installed():
         return BackendReport(backend.name, Check(False, f"{backend.requires} missing: {backend.install_hint}"), not_tried, not_tried)
     installed = Check(True)
-    if backend.name == "qnn" and not os.environ.get("QNN_SDK_ROOT"):
-        return BackendReport(backend.name, installed, Check(False, "needs QNN_SDK_ROOT"), not_tried)
+    reason = backend.unavailable_reason()
+    if reason is not None:
+        return BackendReport(backend.name, installed, Check(False, reason), not_tried)
 
     module, example = _tiny_module()
     with quiet_fds(quiet):
@@ -117,9 +125,7 @@ def probe_backend(backend: Backend | str, quiet: bool = True) -> BackendReport:
 def _lower(backend: Backend, module: nn.Module, example: torch.Tensor) -> tuple[bytes, int]:
     from executorch.exir import to_edge_transform_and_lower
 
-    from etblocks.export.backends import partitioners_for
-
-    partitioners = partitioners_for(backend.name)
+    partitioners = backend.usable_partitioners()
     exported = torch.export.export(module, (example,), strict=False)
     edge = to_edge_transform_and_lower(exported, partitioner=partitioners)
     delegates = _delegate_count(edge.exported_program().graph_module)
@@ -151,17 +157,16 @@ def _run(backend: Backend, buffer: bytes, module: nn.Module, example: torch.Tens
     if not error <= tolerance:
         return Check(False, f"output differs from eager: max abs err {error:.2g} > {tolerance:.2g}")
     note = f"max abs err vs eager {error:.1g}"
-    if error > 1e-4 * max(1.0, expected.abs().max().item()):
-        note += " (reduced precision: bf16/fp16 compute"
-        note += "; ONEDNN_MAX_CPU_ISA=AVX512_CORE keeps OpenVINO in fp32)" if backend.name == "openvino" else ")"
+    precision = backend.precision_note(exact=error <= 1e-4 * max(1.0, expected.abs().max().item()))
+    if precision:
+        note += f" ({precision})"
     return Check(True, note)
 
 
 def probe_backends(names: list[str] | None = None, quiet: bool = True, on_start=None) -> list[BackendReport]:
-    """Reports for `names` (default: every backend in `BACKENDS`), in that order."""
-    backends = [get_backend(name) for name in names] if names else list(BACKENDS.values())
+    """Reports for `names` (default: every registered backend), in that order."""
     reports = []
-    for backend in backends:
+    for backend in [get_backend(name) for name in names] if names else backends():
         if on_start is not None:
             on_start(backend.name)
         reports.append(probe_backend(backend, quiet=quiet))
