@@ -74,14 +74,6 @@ def all_options() -> dict[str, Option]:
     return {**OPTIONS, **{option.name: option for option in command_options()}}
 
 
-def check_option(name: str, value: Any, where: str) -> Any:
-    """The normalized value of option `name`; `ConfigError` naming `where` (a flag or a file line) if rejected."""
-    options = all_options()
-    if name not in options:
-        raise ConfigError(f"{where}: unknown option {name!r}; accepted: {', '.join(sorted(options))}")
-    return check(options[name], value, where)
-
-
 @dataclass
 class ConfigFile:
     """A loaded config file: validated `values` and the 1-based `lines` they were given on."""
@@ -144,7 +136,7 @@ def parse_config(text: str, path: str | Path | None = None) -> ConfigFile:
                 raise ConfigError(f"{name}, line {line}: key {key!r} is given twice (first on line {config.lines[key]})")
             config.lines[key] = line
             if value is not None:
-                config.values[key] = check_option(key, value, f"{name}, line {line}")
+                config.values[key] = check(options[key], value, f"{name}, line {line}")
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
         at = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

@@ -283,5 +283,4 @@ OPTIONS_LIST = (
 
 OPTIONS: dict[str, Option] = {option.name: option for option in OPTIONS_LIST}
 RECIPE_KEYS = tuple(option.name for option in RECIPE_OPTIONS)
-DEFAULTS: dict[str, Any] = {option.name: option.default for option in OPTIONS_LIST if option.default is not None}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from etblocks.config import load_config, parse_config, resolve
-from etblocks.options import DEFAULTS, OPTIONS
+from etblocks.options import OPTIONS
 from etblocks.errors import ConfigError, EtblocksError
 
 FULL = """\
@@ -172,7 +172,7 @@ def test_flags_override_file_and_file_overrides_defaults(tmp_path):
     assert options["sdpa"] is None  # not set anywhere: the recipe decides
     assert resolve("export", {"verify": True}, config)["verify"] is True
     defaults = resolve("export", {}, None)
-    assert defaults["backend"] == DEFAULTS["backend"] == "xnnpack" and defaults.where("backend") == "default"
+    assert defaults["backend"] == OPTIONS["backend"].default == "xnnpack" and defaults.where("backend") == "default"
     assert defaults["verify"] is True and defaults["out"] == "model.pte"
 
 
@@ -208,7 +208,7 @@ def test_quantization_keys():
     assert options["quantize_weights"] == "8da8w" and options.where("quantize_weights") == "--quantize-weights"
     assert options["quantize_activations"] == "auto" and resolve("export", {"quantize_activations": "none"})["quantize_activations"] is None
     assert options["group_size"] == 64 and options.where("group_size").endswith("line 2")
-    assert resolve("export", {})["group_size"] == DEFAULTS["group_size"] == 32
+    assert resolve("export", {})["group_size"] == OPTIONS["group_size"].default == 32
 
 
 def test_recipe_dtype_and_backend_options():
