@@ -14,7 +14,7 @@ QMIN, QMAX = -128, 127
 
 
 def load_llama_custom_ops() -> None:
-    """Register `llama::custom_sdpa`, `llama::update_cache` and their quantized forms."""
+    """Register `llama::custom_sdpa`, `llama::update_cache`, their quantized forms and `llama::gated_delta_rule`."""
     from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401
 
 

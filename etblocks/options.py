@@ -231,6 +231,8 @@ RECIPE_OPTIONS = (
            "attention with its in-place cache on CPU; default: all"),
     choice("moe", EXPORT, ("dense", "gather"), "MoE experts: gather (only each token's top-k) or dense (every expert, "
            "no indexing); default: the backend's"),
+    choice("delta_rule", EXPORT, ("fused", "chunked"), "gated DeltaNet recurrence: llama::gated_delta_rule (a CPU "
+           "kernel) or the chunked form in matmuls (any backend); default: the backend's"),
     choice("kv_quantize", EXPORT, ("int8",), "KV caches in int8 with a scale and zero point per token and "
            "head; default: float", none=True),
     Option("dtype", EXPORT, float_dtype, "floating dtype of the swapped model and its state; default: float32",

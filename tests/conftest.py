@@ -17,6 +17,7 @@ HEAVIEST_FIRST = (
     "tests/moe/test_moe_programs.py",
     "tests/swap/test_torchtune_families.py",
     "tests/export/test_static_programs.py",
+    "tests/export/test_hybrid_programs.py",
     "tests/adapters/test_adapter_programs.py",
     "tests/export/test_delegation_golden.py",
     "tests/adapters/test_sha_adapters.py",

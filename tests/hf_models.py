@@ -115,6 +115,22 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     ),
 }
 
+# Hybrids: a state layer (gated DeltaNet, short convolution) then full attention, layer types set explicitly (with
+# no attention layer transformers' own generate fails). Convolution windows (3-4 taps) are shorter than every
+# test prompt; Qwen3.5's v heads are twice its k heads.
+DELTANET = dict(
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+    linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"],
+)
+HYBRID_FAMILIES: dict[str, tuple[str, dict]] = {
+    "qwen3_5_text": ("qwen3_5_text", DELTANET),
+    "qwen3_5_moe_text": (
+        "qwen3_5_moe_text", dict(num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48, **DELTANET, **MOE)
+    ),
+    "lfm2": ("lfm2", dict(conv_L_cache=3, layer_types=["conv", "full_attention"])),
+}
+FAMILIES.update(HYBRID_FAMILIES)
+
 # QNN readiness (QnnQuantizer calibration, then QNN's own pass pipeline) costs ~0.35 s per graph node on CI's
 # machines, and the qnn recipe's single-head attention makes a set of nodes per query head, so the readiness tests
 # use 2 query heads over 1 KV head (still grouped): llama's check took 165 s with BASE, 56 s with this and 1 layer.

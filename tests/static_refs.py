@@ -3,9 +3,21 @@
 from __future__ import annotations
 
 import torch
+from hf_models import swapped_family
 
-from etblocks.export.programs import static_program
 from etblocks.export.feeders import StaticFeeder
+from etblocks.export.programs import static_program
+
+CHUNK = 8
+CONTEXT = 64
+
+
+def swap_static(name: str, backend: str, **options):
+    """`swapped_family(name)` with a static program for `backend` (`shapes="static"` on the CPU backends) of chunk
+    `CHUNK` and context `CONTEXT`."""
+    if backend in ("xnnpack", "portable"):
+        options = {"shapes": "static", **options}
+    return swapped_family(name, backend, max_seq_len=CONTEXT, chunk=CHUNK, **options)
 
 
 def eager_feeder(swapped) -> StaticFeeder:

@@ -21,7 +21,7 @@ LAYERS = (
     ("errors", "options", "demo", "torchtune_compat"),
     ("ops",),
     ("state",),
-    ("attention", "moe"),
+    ("attention", "moe", "mixers"),
     ("adapters",),
     ("backends",),
     ("swap",),

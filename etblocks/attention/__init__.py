@@ -2,7 +2,7 @@
 
 from etblocks.attention.conv import Conv2dLinear
 from etblocks.attention.masks import additive_mask, allowed_keys
-from etblocks.attention.mha import Attention
+from etblocks.attention.mha import Attention, GatedAttention
 from etblocks.attention.mla import MLAttention, cos_sin_from_complex, deinterleave_matrix
 from etblocks.attention.rope import RotaryEmbedding, apply_rotary, default_inv_freq, llama3_inv_freq, rotation_matrix
 from etblocks.attention.sdpa import (
@@ -18,6 +18,7 @@ from etblocks.attention.sha import SingleHeadAttention, apply_rotary_3d
 
 __all__ = [
     "Attention",
+    "GatedAttention",
     "SingleHeadAttention",
     "Conv2dLinear",
     "SDPA",

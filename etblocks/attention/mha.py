@@ -122,8 +122,13 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, input_pos: torch.Tensor, position_embeddings=None, kv=None, mask=None):
         if kv is not None:
             return call_with_state(self.kv_cache, kv, mask, lambda: self.forward(x, input_pos, position_embeddings))
-        bsz = x.shape[0]
         q, k, v = self.project_qkv(x)
+        return self.o_proj(self.attend_heads(q, k, v, input_pos, position_embeddings, mask))
+
+    def attend_heads(self, q, k, v, input_pos, position_embeddings=None, mask=None) -> torch.Tensor:
+        """Flat projections `q [B, T, H*Dh]`, `k, v [B, T, Hkv*Dh]` -> the heads' outputs `[B, T, H*Dh]`: norms,
+        rotation, the cache and SDPA (everything between the projections)."""
+        bsz = q.shape[0]
         q, k = self.normalize_qk(q, k, per_head=False)
         # -1 rather than the (dynamic) length: XNNPACK delegates reshapes whose only non-constant size is inferred.
         q = q.view(bsz, -1, self.n_heads, self.head_dim)
@@ -138,4 +143,28 @@ class Attention(nn.Module):
             k_all, v_all, k_pos = self.kv_cache.update(input_pos, k, v)
             mask = self.kv_cache.mask if mask is None else mask
         y = self.attend(q, k_all, v_all, input_pos, k_pos, mask)
-        return self.o_proj(y.reshape(bsz, -1, self.n_heads * self.head_dim))
+        return y.reshape(bsz, -1, self.n_heads * self.head_dim)
+
+
+class GatedAttention(Attention):
+    """Attention with a sigmoid output gate (Qwen3-Next, Qwen3.5): `q_proj` gives each head's query and gate side
+    by side (`[q_h | gate_h]`, 2 * Dh rows per head) and `y = o_proj(heads * sigmoid(gate))`. Separate q/k/v
+    projections only; everything else as in `Attention`."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.qkv_proj is not None:
+            raise ValueError("GatedAttention takes separate q_proj (queries and gates), k_proj and v_proj, not a fused qkv_proj")
+
+    def query_and_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`x [B, T, D]` -> flat `q, gate [B, T, H*Dh]`."""
+        bsz, width = x.shape[0], self.n_heads * self.head_dim
+        both = self.q_proj(x).view(bsz, -1, self.n_heads, 2 * self.head_dim)
+        return both[..., : self.head_dim].reshape(bsz, -1, width), both[..., self.head_dim :].reshape(bsz, -1, width)
+
+    def forward(self, x: torch.Tensor, input_pos: torch.Tensor, position_embeddings=None, kv=None, mask=None):
+        if kv is not None:
+            return super().forward(x, input_pos, position_embeddings, kv, mask)
+        q, gate = self.query_and_gate(x)
+        y = self.attend_heads(q, self.k_proj(x), self.v_proj(x), input_pos, position_embeddings, mask)
+        return self.o_proj(y * torch.sigmoid(gate))

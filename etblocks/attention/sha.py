@@ -15,7 +15,7 @@ from torch import nn
 
 from etblocks.attention.conv import Conv2dLinear
 from etblocks.attention.masks import additive_mask
-from etblocks.attention.mha import Attention, check_rope, check_sinks
+from etblocks.attention.mha import Attention, GatedAttention, check_rope, check_sinks
 from etblocks.attention.rope import RotaryEmbedding, rotate_half, rotate_pairs
 from etblocks.attention.sdpa import SDPA, softmax_with_sinks
 from etblocks.state.io import IOKVCache
@@ -57,9 +57,10 @@ class ProjectionPart(NamedTuple):
     rows: tuple[int, int] | None
 
 
-def head_parts(heads: str, start: int, n_heads: int, head_dim: int) -> list[ProjectionPart]:
-    """Head h of the ModuleList `heads` computes rows `start + h*Dh : start + (h+1)*Dh`."""
-    return [ProjectionPart(f"{heads}.{h}", (start + h * head_dim, start + (h + 1) * head_dim)) for h in range(n_heads)]
+def head_parts(heads: str, start: int, n_heads: int, head_dim: int, stride: int | None = None) -> list[ProjectionPart]:
+    """Head h of the ModuleList `heads` computes rows `start + h*stride : start + h*stride + Dh` (stride: Dh)."""
+    stride = head_dim if stride is None else stride
+    return [ProjectionPart(f"{heads}.{h}", (start + h * stride, start + h * stride + head_dim)) for h in range(n_heads)]
 
 
 def _head_views(proj: nn.Linear, parts: list[ProjectionPart], conv2d: bool) -> list[nn.Module]:
@@ -86,7 +87,8 @@ class SingleHeadAttention(nn.Module):
     `q_heads`, `k_heads`, `v_heads` map `[B, T, D] -> [B, T, Dh]`; `o_proj` maps the concatenated heads
     `[B, T, H*Dh] -> [B, T, D]`. `q_norm` / `k_norm` are shared by all heads. Scale and softcap come from
     `sdpa`; optional `sinks [H]` give head h the sink logit `sinks[h]`. Subclasses change one step by
-    overriding `project_head`, `rotate_head` or `attend_head`.
+    overriding `project_head`, `rotate_head` or `attend_head`. Optional `gate_heads` (`[B, T, D] -> [B, T, Dh]`)
+    gate each head's output by `sigmoid(gate_heads[h](x))` (the output gate of `GatedAttention`).
 
     `projection_parts[name]` says where projection `name` of the attention the heads were split from went, as
     `ProjectionPart(submodule, rows)` per head, so what is keyed by the original projection (LoRA adapters)
@@ -110,6 +112,7 @@ class SingleHeadAttention(nn.Module):
         k_norm: nn.Module | None = None,
         sinks: nn.Parameter | None = None,
         projection_parts: Mapping[str, list[ProjectionPart]] | None = None,
+        gate_heads: Sequence[nn.Module] | None = None,
     ) -> None:
         super().__init__()
         if n_heads % n_kv_heads:
@@ -135,6 +138,9 @@ class SingleHeadAttention(nn.Module):
         self.rope = rope
         self.q_norm, self.k_norm = q_norm, k_norm
         self.register_parameter("sinks", sinks)
+        if gate_heads is not None and len(gate_heads) != n_heads:
+            raise ValueError(f"need {n_heads} gate_heads; got {len(gate_heads)}")
+        self.gate_heads = None if gate_heads is None else nn.ModuleList(gate_heads)
         if projection_parts is None:
             projection_parts = {
                 "q_proj": head_parts("q_heads", 0, n_heads, head_dim),
@@ -153,20 +159,24 @@ class SingleHeadAttention(nn.Module):
                 "q/k norms (layout 'head') that apply to each [B, T, Dh] head"
             )
         heads, kv_heads, dh = attn.n_heads, attn.n_kv_heads, attn.head_dim
-        if attn.qkv_proj is None:
-            names, starts = ("q_proj", "k_proj", "v_proj"), (0, 0, 0)
+        gated = isinstance(attn, GatedAttention)
+        fields = ("q_heads", "k_heads", "v_heads", "gate_heads")[: 4 if gated else 3]
+        counts, strides = (heads, kv_heads, kv_heads, heads), (2 * dh if gated else dh, dh, dh, 2 * dh)
+        if attn.qkv_proj is None:  # a gated q_proj holds [q_h | gate_h] per head
+            names, starts = ("q_proj", "k_proj", "v_proj", "q_proj"), (0, 0, 0, dh)
         else:  # rows [q | k | v] of the fused projection
             names, starts = ("qkv_proj",) * 3, (0, heads * dh, (heads + kv_heads) * dh)
         views, projection_parts = [], {}
-        for field, n, name, start in zip(("q_heads", "k_heads", "v_heads"), (heads, kv_heads, kv_heads), names, starts):
-            parts = head_parts(field, start, n, dh)
+        for field, n, name, start, stride in zip(fields, counts, names, starts, strides):
+            parts = head_parts(field, start, n, dh, stride)
             views.append(_head_views(_as_linear(getattr(attn, name), name), parts, conv2d))
             projection_parts.setdefault(name, []).extend(parts)
-        q_heads, k_heads, v_heads = views
+        q_heads, k_heads, v_heads = views[:3]
         o_proj = Conv2dLinear.from_linear(_as_linear(attn.o_proj, "o_proj")) if conv2d else attn.o_proj
         return cls(
             heads, kv_heads, dh, attn.sdpa, attn.kv_cache, q_heads, k_heads, v_heads, o_proj,
             rope=attn.rope, q_norm=attn.q_norm, k_norm=attn.k_norm, sinks=attn.sinks, projection_parts=projection_parts,
+            gate_heads=views[3] if gated else None,
         )
 
     def project_head(self, proj: nn.Module, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
@@ -238,7 +248,8 @@ class SingleHeadAttention(nn.Module):
             args = (q, keys[h // groups], values[h // groups], mask)
             # No sink argument without sinks: `attend_head` overrides written for (q, k, v, mask) keep working.
             # A `[1]` slice, not a 0-d `sinks[h]`: QNN's export passes break on the expanded 0-d constant.
-            heads.append(self.attend_head(*args) if self.sinks is None else self.attend_head(*args, self.sinks[h : h + 1]))
+            head = self.attend_head(*args) if self.sinks is None else self.attend_head(*args, self.sinks[h : h + 1])
+            heads.append(head if self.gate_heads is None else head * torch.sigmoid(self.gate_heads[h](x)))
         y = self.o_proj(torch.cat(heads, dim=-1))
         if caches is not None:
             self.kv_cache.emit(torch.stack(k_new, dim=2), torch.stack(v_new, dim=2))

@@ -2,6 +2,7 @@
 
 A static program has fixed shapes. With caller-owned state ("io") its methods take
 `(tokens int64 [1, T], positions int64 [1, T], *masks, *state)` and return `(logits [1, T, V], *updates)`:
+- positions of the T tokens; the rows of a call padded at the end carry position -1 when a state `skips_padding`;
 - one additive mask `[T, L + T]` per mask group: the positional state (K/V rows) of full attention (L = the
   context), or of one sliding window W (L = W rows used as a ring);
 - every tensor each mixer's state declares (`etblocks.state.StateSpec`: name, shape, dtype, update kind), in
@@ -25,7 +26,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from etblocks.export.adapters import AdapterSlot, AdapterTable
-from etblocks.state.spec import PADDABLE, StateSpec
+from etblocks.state.spec import StateSpec
 
 CONTRACT_METHOD = "etblocks_contract"
 CONTRACT_VERSION = "etblocks.static/2"
@@ -54,14 +55,16 @@ class StateInput:
     dtype: str
     update: str
     mask: str | None = None
+    skips_padding: bool = False
 
     @classmethod
     def declared(cls, state: int, owner: str, spec: StateSpec, mask: str | None) -> StateInput:
-        return cls(state, owner, spec.name, spec.shape, str(spec.dtype).removeprefix("torch."), spec.update, mask)
+        dtype = str(spec.dtype).removeprefix("torch.")
+        return cls(state, owner, spec.name, spec.shape, dtype, spec.update, mask, spec.skips_padding)
 
     @property
     def spec(self) -> StateSpec:
-        return StateSpec(self.name, self.shape, getattr(torch, self.dtype), self.update)
+        return StateSpec(self.name, self.shape, getattr(torch, self.dtype), self.update, self.skips_padding)
 
 
 @dataclass(frozen=True)
@@ -91,9 +94,10 @@ class StaticContract:
 
     @property
     def paddable(self) -> bool:
-        """Whether a short call may go through `prefill` padded at the end: only when the caller drops the padding
-        rows of every update (in-place state would store them; `replace` state folds them in)."""
-        return self.cache == "io" and all(s.update in PADDABLE for s in self.states)
+        """Whether a short call may go through `prefill` padded at the end: only when every update leaves its state
+        as the real tokens left it (in-place state would store the padding; `replace` state folds it in unless it
+        `skips_padding`)."""
+        return self.cache == "io" and all(s.spec.paddable for s in self.states)
 
     def mask(self, name: str) -> MaskGroup:
         return next(g for g in self.masks if g.name == name)

@@ -61,9 +61,10 @@ class StaticFeeder:
     program's caller keeps (`state`, one tensor per contract entry).
 
     Full chunks go through `prefill`; a remainder of at most `decode_tail` tokens goes through `decode` one by
-    one, a longer one through `prefill` padded at the end when the contract allows padding (padding rows are
-    never kept, and no real token attends to them), else through `decode` too: in-place state would store the
-    padding, and state replaced whole would fold it in.
+    one, a longer one through `prefill` padded at the end when the contract allows padding (padding rows are never
+    kept, no real token attends to them, and they carry position -1 when a state skips padding), else through
+    `decode` too: in-place state would store the padding, and state replaced whole that does not skip padding
+    would fold it in.
     """
 
     def __init__(self, contract: StaticContract, execute: Execute, decode_tail: int | None = None) -> None:
@@ -74,6 +75,7 @@ class StaticFeeder:
             raise ConfigError(f"decode_tail={decode_tail} is not accepted; give 1 .. {contract.chunk - 1} (below the chunk)")
         self.max_context_len = contract.max_context_len
         self.state = [entry.spec.zeros() for entry in contract.states]
+        self.marks_padding = any(entry.skips_padding for entry in contract.states)
         self.pos = 0
         self.adapter_inputs = contract.adapter_table.inputs(None)  # the base model until an adapter is set
 
@@ -126,6 +128,8 @@ class StaticFeeder:
             self.pos += n
             return logits.reshape(-1)
         positions = torch.arange(self.pos, self.pos + width).unsqueeze(0)
+        if self.marks_padding:
+            positions[0, n:] = -1  # what state that `skips_padding` skips (no real token reads these rows)
         dtype, fill = self.contract.torch_dtype, self.contract.mask_value
         masks = [group_mask(group, self.pos, width, dtype, fill) for group in self.contract.masks]
         outputs = self.execute(method, [padded, positions, *masks, *self.state, *self.adapter_inputs])

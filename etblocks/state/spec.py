@@ -11,9 +11,10 @@ of its tokens are real):
 - `ring`: `[B, W, ...]`, position p in row `p % W`, the last W positions kept (a sliding-window K/V cache). The
   update is the T new rows; the caller writes the last `min(n, W)` real ones at their rows.
 - `window`: `[B, K, ...]`, the last K inputs, oldest first (a causal convolution's state). The update is the T
-  new rows; the caller appends the n real ones and keeps the last K.
+  new rows; the caller appends the n real ones (to zeros at position 0) and keeps the last K.
 - `replace`: any shape; the update is the state after the call, which replaces it whole (a recurrence's hidden
-  state). A padded call would fold its padding in, so programs with such state are never padded.
+  state). A padded call would fold its padding in, so a program holding such state is padded only if the state
+  `skips_padding`: its mixer leaves it unchanged by tokens at position -1, the position padded rows carry.
 `rows` and `ring` hold positions: readers mask them by position, so they need no clearing between sequences.
 `window` and `replace` state is read as zeros by a call that starts a sequence (first position 0).
 """
@@ -33,12 +34,13 @@ PADDABLE = (ROWS, RING, WINDOW)
 @dataclass(frozen=True)
 class StateSpec:
     """One state tensor: its `name` (unique within its state), full `shape` (batch first), `dtype` and `update` kind.
-    For `rows`, `ring` and `window` dim 1 holds the rows (L, W or K of them)."""
+    For `rows`, `ring` and `window` dim 1 holds the rows (L, W or K of them). `skips_padding`: see `replace`."""
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     update: str
+    skips_padding: bool = False
 
     def __post_init__(self) -> None:
         if self.update not in UPDATES:
@@ -50,6 +52,11 @@ class StateSpec:
     @property
     def positional(self) -> bool:
         return self.update in POSITIONAL
+
+    @property
+    def paddable(self) -> bool:
+        """Whether a padded call leaves this state as its real tokens left it (once the caller applies the update)."""
+        return self.update in PADDABLE or self.skips_padding
 
     @property
     def rows(self) -> int:
@@ -91,5 +98,6 @@ def apply_update(spec: StateSpec, state: torch.Tensor, update: torch.Tensor, pos
         state[:, torch.arange(pos + n - keep, pos + n) % spec.rows] = update[:, n - keep : n]
         return state
     if spec.update == WINDOW:
-        return torch.cat((state, update[:, :n]), dim=1)[:, -spec.rows :].contiguous()
+        kept = state if pos > 0 else torch.zeros_like(state)  # a call at position 0 read zeros, not what was left
+        return torch.cat((kept, update[:, :n]), dim=1)[:, -spec.rows :].contiguous()
     return update  # replace: the state after every token of the call (never a padded one)

@@ -16,6 +16,7 @@ from etblocks.state.base import State, find_states, reset_states
 from etblocks.state.spec import RING
 from etblocks.swap.hf.convert import attention_from_layout
 from etblocks.swap.hf.fallback import infer_layout
+from etblocks.swap.hf.hybrid import is_state_layer, state_layout
 from etblocks.swap.hf.model import TransformersKind
 from etblocks.swap.kinds import ModelKind
 from etblocks.swap.recipes import Recipe, resolve_recipe
@@ -154,6 +155,14 @@ def _check_max_seq_len(model: nn.Module, max_seq_len: int | None) -> int:
 
 def _convert(name: str, module: nn.Module, ctx: SwapContext) -> nn.Module:
     converter = MIXERS.lookup(module)
+    if converter is None and is_state_layer(module):
+        converter = state_layout(module)
+        if converter is None:
+            raise UnsupportedModelError(
+                f"{name} is a {type(module).__name__}, a layer keeping recurrent or convolution state, with no etblocks "
+                f"converter and not laid out as one etblocks converts (LFM2's short convolution, Qwen3.5's gated "
+                f"DeltaNet); supported: {MIXERS.supported()}. Register one with @etblocks.register."
+            )
     if converter is None:
         layout = infer_layout(module)
         if layout is None:
@@ -191,6 +200,8 @@ def _verify(model: nn.Module, kind: ModelKind, pairs: list[tuple[str, nn.Module,
             if id(original) not in calls:
                 raise UnsupportedModelError(f"{name} ({type(original).__name__}) was not called in a forward pass")
             args, kwargs, expected = calls[id(original)]
+            if getattr(new, "positions_from_layer", False):  # upstream hands it none; its decoder layer does
+                kwargs = {**kwargs, "position_ids": positions[None]}
             states = find_states(new)
             try:
                 for state in states:

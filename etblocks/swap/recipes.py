@@ -32,6 +32,8 @@ class Recipe:
         state on CPU (static shapes, "inplace" cache).
     moe: "gather" runs only each token's top-k experts (decode cost flat in the number of experts; CPUs);
         "dense" runs every expert weighted by the router (no indexing; NPUs and fixed-shape compilers).
+    delta_rule: the form of gated DeltaNet's recurrence (`etblocks.mixers.delta_rule`): "fused" is ExecuTorch's
+        `llama::gated_delta_rule` CPU kernel, "chunked" the matmul form any backend takes.
     quantize_activations: the calibrated quantization `export` applies unless told otherwise (the backend's
         `default_activations`, e.g. QNN's 16a8w).
     kv_quantize: "int8" stores the KV caches in int8 with a scale and zero point per token and KV head
@@ -50,6 +52,7 @@ class Recipe:
     linear: str = "linear"
     partition: str = "all"
     moe: str = "gather"
+    delta_rule: str = "chunked"
     quantize_activations: str | None = None
     kv_quantize: str | None = None
     dtype: torch.dtype = torch.float32

@@ -1,17 +1,19 @@
 """The static contract (prefill + decode, caller-owned caches) against untouched transformers.
 
-Tiny llama, qwen3 and gemma3_text (a sliding layer with window 6 and a full layer): the exported static
-program, driven by `etblocks.Runner`, must generate HF `generate`'s greedy tokens for prompts whose length is a
-multiple of the chunk (16), is not (13: padded prefill tail), is shorter than one chunk (5), and leaves a
-one-token tail that goes through `decode` (17). All but the 5-token prompt are longer than the window.
+Tiny llama, qwen3 and gemma3_text (a sliding layer with window 6 and a full layer), and the hybrids qwen3_5_text,
+qwen3_5_moe_text (gated DeltaNet: a convolution window and a recurrent state) and lfm2 (short convolutions): the
+exported static program, driven by `etblocks.Runner`, must generate HF `generate`'s greedy tokens for prompts
+whose length is a multiple of the chunk (16), is not (13: padded prefill tail), is shorter than one chunk (5),
+and leaves a one-token tail that goes through `decode` (17). All but the 5-token prompt are longer than the
+window and the convolutions.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import hf_greedy, original_and_copy, prompt_ids, swapped_family
-from static_refs import eager_feeder, greedy
+from hf_models import hf_greedy, original_and_copy, prompt_ids
+from static_refs import CHUNK, CONTEXT, eager_feeder, greedy, swap_static
 
 import etblocks
 from etblocks.export.contract import StaticContract
@@ -20,18 +22,13 @@ from etblocks.export.feeders import group_mask
 from etblocks.state import IOKVCache
 from etblocks.swap.hf.adapter import HFSingleHeadAttention
 
-CHUNK = 8
-CONTEXT = 64
 NEW_TOKENS = 32
 PROMPT_LENGTHS = (16, 13, 5, 17)
-STATIC_FAMILIES = ("llama", "qwen3", "gemma3_text")
+STATIC_FAMILIES = ("llama", "qwen3", "gemma3_text", "qwen3_5_text", "qwen3_5_moe_text", "lfm2")
+# Exported: each backend lowers the layers its own way; Qwen3.5-MoE adds only the dense MoE beside its mixers.
+EXPORTED = [(n, b) for n in STATIC_FAMILIES if n != "qwen3_5_moe_text" for b in ("portable", "xnnpack", "openvino")]
+EXPORTED.append(("qwen3_5_moe_text", "openvino"))
 LOGIT_ATOL = 1e-4
-
-
-def swap_static(name: str, backend: str, **options):
-    if backend in ("xnnpack", "portable"):
-        options = {"shapes": "static", **options}
-    return swapped_family(name, backend, max_seq_len=CONTEXT, chunk=CHUNK, **options)
 
 
 @pytest.mark.parametrize("backend", ["openvino", "qnn"])
@@ -55,7 +52,7 @@ def test_static_eager_matches_hf(name, backend):
         assert greedy(feeder.forward, prompt[0].tolist(), NEW_TOKENS) == hf_greedy(original, prompt, NEW_TOKENS)
 
 
-@pytest.fixture(scope="module", params=[(n, b) for n in STATIC_FAMILIES for b in ("portable", "xnnpack", "openvino")], ids=str)
+@pytest.fixture(scope="module", params=EXPORTED, ids=str)
 def exported(request, tmp_path_factory):
     name, backend = request.param
     original, swapped = swap_static(name, backend)
@@ -89,6 +86,21 @@ def test_runner_continues_a_conversation(exported):
     second = prompt_ids(6, seed=2)[0].tolist()
     continued = runner.generate(second, max_new_tokens=8)
     assert continued == hf_greedy(original, torch.tensor([first + reply + second]), 8)
+
+
+@pytest.mark.slow
+def test_saved_state_resumes_to_the_same_tokens(exported):
+    """Save every state mid-generation, run another sequence, restore: the continuation is HF's."""
+    _, _, original, result = exported
+    runner = etblocks.Runner(result.path)
+    prompt = prompt_ids(13)[0].tolist()
+    expected = hf_greedy(original, torch.tensor([prompt]), 12)
+    first = runner.generate(prompt, max_new_tokens=6)
+    saved, fed = runner.caches, runner.pos - 1  # the last generated token is not fed yet
+    runner.reset()
+    runner.generate(prompt_ids(9, seed=3)[0].tolist(), max_new_tokens=4)
+    runner.restore(saved, fed)
+    assert first + runner.generate(first[-1:], max_new_tokens=6) == expected
 
 
 def test_contract_describes_layers_and_windows():

@@ -4,23 +4,26 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import FALLBACK_FAMILIES, FAMILIES, family_variant, hf_greedy, original_and_copy, prompt_ids, swapped_family
+from hf_models import FALLBACK_FAMILIES, FAMILIES, HYBRID_FAMILIES, family_variant, hf_greedy, original_and_copy, prompt_ids, swapped_family
 
 import etblocks
 from etblocks.attention import CustomSDPA, DynamicSDPA
 from etblocks.state import RingKVCache
-from etblocks.swap.hf.adapter import HFCall
+from etblocks.swap.hf.adapter import HFCall, HFStateCall
 
 LOGIT_ATOL = 1e-4  # fp32
 NEW_TOKENS = 32
 # The portable program differs from xnnpack's in lowering only: gemma2 (ring caches, softcaps) and phi3 (partial
 # rotary, fused qkv) hold the ops llama's and qwen3's would add.
 PORTABLE_FAMILIES = ("gemma2", "phi3")
+MIXER_NAMES = ("self_attn", "linear_attn", "conv")  # attention, gated DeltaNet, short convolution
 
 
 def _eager_parity(name: str, families: dict) -> None:
     original, swapped = swapped_family(name, "xnnpack", families, max_seq_len=64)
-    assert all(isinstance(m, HFCall) for n, m in swapped.named_modules() if n.endswith("self_attn"))
+    mixers = [m for layer in swapped.model.layers for n, m in layer.named_children() if n in MIXER_NAMES]
+    assert len(mixers) == len(swapped.model.layers)
+    assert all(isinstance(m, (HFCall, HFStateCall)) for m in mixers)
     tokens = prompt_ids(20)
     with torch.no_grad():
         expected = original(tokens).logits
@@ -42,7 +45,7 @@ def test_structural_fallback_logits_match_upstream(name):
 # Families whose layers differ (sliding and full, NoPE, dense then MoE) export all their layers, the others one
 # (~40% less export time each): their converters are what tells them apart, and the layered ones cover the
 # loop over layers.
-LAYERED = ("qwen2", "gemma2", "gemma3_text", "smollm3", "exaone4", "deepseek_v2", "deepseek_v3", "gpt_oss")
+LAYERED = ("qwen2", "gemma2", "gemma3_text", "smollm3", "exaone4", "deepseek_v2", "deepseek_v3", "gpt_oss", *HYBRID_FAMILIES)
 
 
 def export_family(name: str) -> dict:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from etblocks.attention.mha import Attention
+from etblocks.attention.mha import Attention, GatedAttention
 from etblocks.attention.sha import SingleHeadAttention
+from etblocks.mixers.gated_deltanet import GatedDeltaNet
+from etblocks.mixers.short_conv import ShortConv
 
 
 class HFCall:
@@ -50,5 +52,58 @@ class HFAttention(HFCall, Attention):
     `o_proj`, `q_norm`, ...), so state dicts and adapter targets do not change."""
 
 
+class HFGatedAttention(HFCall, GatedAttention):
+    """A `GatedAttention` block called the transformers way (Qwen3.5's full-attention layers)."""
+
+
 class HFSingleHeadAttention(HFCall, SingleHeadAttention):
     """A `SingleHeadAttention` block called the transformers way (the qnn recipe's attention)."""
+
+
+class HFStateCall:
+    """Mixin: accept transformers' call of a mixer that is not attention (a short convolution, linear attention):
+    `forward(hidden_states, cache=None, attention_mask=None, **kwargs) -> output`, run the mixer
+    (`etblocks.state.mixer`). The mixer keeps its own state; `cache` is ignored.
+
+    transformers hands such layers no positions, but the mixer needs them (a call at position 0 starts a
+    sequence): the decoder layer holding it gets `position_ids`, and `take_positions`, a forward pre-hook on that
+    layer (`feed_positions`), passes them on for the one call that follows. A 2-D `attention_mask` (padding)
+    zeroes padded inputs, as upstream does.
+    """
+
+    positions_from_layer = True
+    _fed_positions: torch.Tensor | None = None
+
+    def take_positions(self, layer, args, kwargs) -> None:
+        self._fed_positions = kwargs.get("position_ids")
+
+    def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, position_ids=None, **kwargs) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = self._fed_positions
+        self._fed_positions = None  # one call per hand-over: a stale position never starts (or continues) a sequence
+        if position_ids is None:
+            raise ValueError(
+                f"{type(self).__name__} needs the decoder layer's position_ids: call the swapped model with "
+                "position_ids, or the block with position_ids=..."
+            )
+        if position_ids.shape[0] != 1:
+            raise ValueError(f"etblocks state holds one sequence; got position_ids of shape {tuple(position_ids.shape)}")
+        if attention_mask is not None and attention_mask.ndim == 2:
+            hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
+        return super().forward(hidden_states, position_ids[0])
+
+
+def feed_positions(model: torch.nn.Module) -> None:
+    """Hook every `HFStateCall` mixer of `model` to the decoder layer holding it (its parent module)."""
+    for name, module in model.named_modules():
+        if isinstance(module, HFStateCall):
+            parent = model.get_submodule(name.rpartition(".")[0])
+            parent.register_forward_pre_hook(module.take_positions, with_kwargs=True)
+
+
+class HFShortConv(HFStateCall, ShortConv):
+    """A `ShortConv` called the transformers way (LFM2's `conv` layers)."""
+
+
+class HFGatedDeltaNet(HFStateCall, GatedDeltaNet):
+    """A `GatedDeltaNet` called the transformers way (Qwen3.5's `linear_attn` layers)."""

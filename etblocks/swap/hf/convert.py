@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from etblocks.attention.sha import ProjectionPart
 from etblocks.swap.blocks import sdpa_and_cache
-from etblocks.swap.hf.adapter import HFAttention, HFSingleHeadAttention
+from etblocks.swap.hf.adapter import HFAttention, HFGatedAttention, HFSingleHeadAttention
 from etblocks.swap.registry import SwapContext
 
 
@@ -20,6 +21,7 @@ class HFAttentionLayout:
     window_in_config: the family reads `config.sliding_window` for every layer instead of a per-module attribute.
     sinks_attr: the per-head sink logits `[H]` (GPT-OSS), kept by the block under the same name.
     half_rope_tables: the model passes `(cos, sin)` as `[..., Dh/2]` frequency tables (GPT-OSS).
+    output_gate: `q_proj` gives each head's query and a sigmoid gate on its output (`GatedAttention`: Qwen3.5).
     """
 
     qkv: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
@@ -31,6 +33,7 @@ class HFAttentionLayout:
     window_in_config: bool = False
     sinks_attr: str | None = None
     half_rope_tables: bool = False
+    output_gate: bool = False
 
 
 def sliding_window_of(module: nn.Module, layout: HFAttentionLayout) -> int | None:
@@ -42,8 +45,8 @@ def sliding_window_of(module: nn.Module, layout: HFAttentionLayout) -> int | Non
 def attention_from_layout(
     module: nn.Module, layout: HFAttentionLayout, ctx: SwapContext, sliding_window: int | None = ...
 ) -> HFAttention | HFSingleHeadAttention:
-    """An `HFAttention` (or, for `attention="sha"`, an `HFSingleHeadAttention`) holding `module`'s projections
-    and norms, with cache and SDPA chosen by the recipe.
+    """An `HFAttention` or `HFGatedAttention` (or, for `attention="sha"`, an `HFSingleHeadAttention`) holding
+    `module`'s projections and norms, with cache and SDPA chosen by the recipe.
 
     `sliding_window` overrides what the layout reads (for families that decide per layer in code).
     """
@@ -56,7 +59,7 @@ def attention_from_layout(
     else:
         qkv_proj = None
         q_proj, k_proj, v_proj = (getattr(module, name) for name in layout.qkv)
-        n_heads = q_proj.out_features // head_dim
+        n_heads = q_proj.out_features // (2 * head_dim if layout.output_gate else head_dim)
         n_kv_heads = k_proj.out_features // head_dim
     window = sliding_window_of(module, layout) if sliding_window is ... else sliding_window
     softcap = getattr(module, layout.softcap_attr) if layout.softcap_attr else None
@@ -65,7 +68,7 @@ def attention_from_layout(
     sdpa, cache = sdpa_and_cache(
         module.scaling, softcap, window, sinks is not None, n_kv_heads, head_dim, weight.dtype, ctx
     )
-    block = HFAttention(
+    block = (HFGatedAttention if layout.output_gate else HFAttention)(
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
         head_dim=head_dim,
@@ -83,6 +86,8 @@ def attention_from_layout(
     )
     if ctx.recipe.attention == "sha":
         block = HFSingleHeadAttention.from_attention(block, conv2d=ctx.recipe.linear == "conv2d")
+    if layout.o_proj != "o_proj":  # the block calls it o_proj; adapters (and users) name the upstream one
+        block.projection_parts = {**getattr(block, "projection_parts", {}), layout.o_proj: [ProjectionPart("o_proj", None)]}
     block.layer_idx = getattr(module, "layer_idx", None)
     block.use_rope = bool(getattr(module, "use_rope", True))
     block.half_rope_tables = layout.half_rope_tables

@@ -1,8 +1,8 @@
 """transformers families with a registered converter: one layout line each.
 
-Decoder layers, dense MLPs and norms stay upstream; attention is replaced here, MLA in `deepseek.py`, MoE blocks
-in `moe.py`. A family is listed here once its parity (eager logits and exported greedy tokens against upstream
-`generate`) is tested.
+Decoder layers, dense MLPs and norms stay upstream; attention and the state layers of hybrids are replaced here
+(their converters in `hybrid.py`), MLA in `deepseek.py`, MoE blocks in `moe.py`. A family is listed here once its
+parity (eager logits and exported greedy tokens against upstream `generate`) is tested.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from torch import nn
 from etblocks.swap.hf import upstream_class
 from etblocks.swap.hf.convert import HFAttentionLayout, attention_from_layout
 from etblocks.swap.hf.deepseek import register_mla_families
+from etblocks.swap.hf.hybrid import gated_deltanet, short_conv, text_rotary
 from etblocks.swap.hf.moe import register_moe_families
-from etblocks.swap.registry import MIXERS, SwapContext
+from etblocks.swap.registry import MIXERS, MODULES, SwapContext
 
 STANDARD = HFAttentionLayout()
 HEAD_NORM = HFAttentionLayout(qk_norm="head")
@@ -39,6 +40,17 @@ FAMILIES: dict[str, tuple[str, HFAttentionLayout]] = {
     "qwen2_moe": ("Qwen2MoeAttention", STANDARD),
     "qwen3_moe": ("Qwen3MoeAttention", HEAD_NORM),
     "olmoe": ("OlmoeAttention", HFAttentionLayout(qk_norm="full", window_in_config=True)),
+    # Hybrids: their state layers are in STATE_LAYERS.
+    "lfm2": ("Lfm2Attention", HFAttentionLayout(o_proj="out_proj", qk_norm="head", q_norm="q_layernorm", k_norm="k_layernorm")),
+    "qwen3_5": ("Qwen3_5Attention", HFAttentionLayout(qk_norm="head", output_gate=True)),
+    "qwen3_5_moe": ("Qwen3_5MoeAttention", HFAttentionLayout(qk_norm="head", output_gate=True)),
+}
+
+# model_type -> (state layer class name, converter). Other families with these layouts convert structurally.
+STATE_LAYERS = {
+    "lfm2": ("Lfm2ShortConv", short_conv),
+    "qwen3_5": ("Qwen3_5GatedDeltaNet", gated_deltanet),
+    "qwen3_5_moe": ("Qwen3_5MoeGatedDeltaNet", gated_deltanet),
 }
 
 # StableLM's optional per-head LayerNorms expect `[B, H, T, D]`.
@@ -79,3 +91,7 @@ def register_families() -> None:
     for model_type, (class_name, layout) in FAMILIES.items():
         converter = SPECIAL_CONVERTERS.get(model_type) or _converter(layout)
         MIXERS.register(upstream_class(model_type, class_name), replace=False)(converter)
+    for model_type, (class_name, converter) in STATE_LAYERS.items():
+        MIXERS.register(upstream_class(model_type, class_name), replace=False)(converter)
+    for model_type, class_name in (("qwen3_5", "Qwen3_5TextRotaryEmbedding"), ("qwen3_5_moe", "Qwen3_5MoeTextRotaryEmbedding")):
+        MODULES.register(upstream_class(model_type, class_name), replace=False)(text_rotary)

@@ -6,7 +6,9 @@ import torch
 from torch import nn
 
 from etblocks.errors import UnsupportedModelError
+from etblocks.swap.hf.adapter import feed_positions
 from etblocks.swap.hf.families import register_families
+from etblocks.swap.hf.hybrid import is_state_layer
 from etblocks.swap.hf.moe import MOE_FAMILIES
 from etblocks.swap.kinds import ModelKind
 
@@ -22,13 +24,14 @@ def is_hf_causal_lm(model: nn.Module) -> bool:
 
 
 def mixer_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The outermost modules that are attention: named `self_attn` (transformers' convention) or of a class
-    named `...Attention` (what families with other names use, e.g. GPT-2's `attn`)."""
+    """The outermost token mixers: attention, named `self_attn` (transformers' convention) or of a class named
+    `...Attention` (what families with other names use, e.g. GPT-2's `attn`), and the state layers of hybrids
+    (`etblocks.swap.hf.hybrid.is_state_layer`)."""
     found: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         if any(name.startswith(outer + ".") for outer, _ in found):
             continue
-        if name.split(".")[-1] == "self_attn" or type(module).__name__.endswith("Attention"):
+        if name.split(".")[-1] == "self_attn" or type(module).__name__.endswith("Attention") or is_state_layer(module):
             found.append((name, module))
     return found
 
@@ -132,3 +135,4 @@ class TransformersKind(ModelKind):
 
     def finish(self, model: nn.Module) -> None:
         skip_hf_masks(model)
+        feed_positions(model)

@@ -29,7 +29,8 @@ def _experts(upstream: nn.Module, ctx: SwapContext) -> Experts:
 
 
 def convert_softmax_moe(module: nn.Module, ctx: SwapContext) -> MoE:
-    """Mixtral (always renormalised), Qwen2-MoE (gated shared expert), Qwen3-MoE and OLMoE (`norm_topk_prob`)."""
+    """Mixtral and Qwen3.5-MoE (always renormalised), Qwen2-MoE (gated shared expert), Qwen3-MoE and OLMoE
+    (`norm_topk_prob`)."""
     gate = module.gate
     router = TopKRouter(gate.weight, gate.top_k, renormalize=getattr(gate, "norm_topk_prob", True))
     return MoE(router, _experts(module.experts, ctx), getattr(module, "shared_expert", None), getattr(module, "shared_expert_gate", None))
@@ -93,6 +94,7 @@ MOE_FAMILIES = {
     "mixtral": ("MixtralSparseMoeBlock", convert_softmax_moe),
     "qwen2_moe": ("Qwen2MoeSparseMoeBlock", convert_softmax_moe),
     "qwen3_moe": ("Qwen3MoeSparseMoeBlock", convert_softmax_moe),
+    "qwen3_5_moe": ("Qwen3_5MoeSparseMoeBlock", convert_softmax_moe),
     "olmoe": ("OlmoeSparseMoeBlock", convert_softmax_moe),
     "deepseek_v2": ("DeepseekV2Moe", convert_deepseek_v2_moe),
     "deepseek_v3": ("DeepseekV3MoE", convert_deepseek_v3_moe),

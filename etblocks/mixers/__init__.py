@@ -1,0 +1,17 @@
+"""Token mixers that are not attention: they keep a fixed-size state (a convolution window, a recurrent matrix)
+instead of K/V rows. Same contract as attention (`etblocks.state.mixer`)."""
+
+from etblocks.mixers.delta_rule import ChunkedDeltaRule, DeltaRule, FusedDeltaRule, gated_delta_rule_steps
+from etblocks.mixers.gated_deltanet import GatedDeltaNet, GatedRMSNorm
+from etblocks.mixers.short_conv import ShortConv, causal_depthwise_conv
+
+__all__ = [
+    "ShortConv",
+    "causal_depthwise_conv",
+    "GatedDeltaNet",
+    "GatedRMSNorm",
+    "DeltaRule",
+    "ChunkedDeltaRule",
+    "FusedDeltaRule",
+    "gated_delta_rule_steps",
+]
