@@ -385,13 +385,14 @@ def path_etblocks(bench: Bench, row: Row) -> Driver:
     return driver
 
 
-def path_hf_static(bench: Bench, row: Row) -> Driver:
+def path_hf_static(bench: Bench, row: Row, build_model: Callable[[Bench], torch.nn.Module] = build_hf_model) -> Driver:
     """(b) transformers `TorchExportableModuleForDecoderOnlyLM` (StaticCache buffers, strict export, static
-    shapes [1,1]) lowered to XNNPACK; prefill feeds the prompt one token at a time."""
+    shapes [1,1]) lowered to XNNPACK; prefill feeds the prompt one token at a time. `build_model`: another
+    script's transformers model."""
     from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
 
     row.note = "prefill token by token (static [1,1] shapes)"
-    model = build_hf_model(bench)
+    model = build_model(bench)
     model.generation_config.cache_implementation = "static"
     path = bench.out_dir / "b_hf_static.pte"
     start = time.perf_counter()
@@ -594,9 +595,10 @@ def measure_read_bandwidth(gigabytes: float = 1.0, reps: int = 5) -> float:
 
 
 @torch.no_grad()
-def eager_reference_tokens(bench: Bench) -> list[int]:
-    """Greedy tokens of the eager transformers model: the prefill's token and one per decode step."""
-    model = build_hf_model(bench)
+def eager_reference_tokens(bench: Bench, build_model: Callable[[Bench], torch.nn.Module] = build_hf_model) -> list[int]:
+    """Greedy tokens of the eager transformers model (`build_model`'s): the prefill's token and one per decode
+    step."""
+    model = build_model(bench)
     ids = torch.tensor([bench.prompt])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=bench.decode_steps + 1,
                          do_sample=False)
@@ -627,11 +629,13 @@ def _matching_prefix(tokens: Sequence[int], reference: Sequence[int]) -> int:
     return n
 
 
-def format_table(rows: list[Row], roofline_tps: float | Mapping[str, float], reference: list[int],
-                 ref_key: str = "a", reference_label: str = "eager", extra_headers: Sequence[str] = ()) -> str:
+def format_table(rows: list[Row], roofline_tps: float | Mapping[str, float],
+                 reference: list[int] | Mapping[str, list[int]], ref_key: str = "a", reference_label: str = "eager",
+                 extra_headers: Sequence[str] = ()) -> str:
     """The results as one aligned text table; `roofline_tps` is one for all rows or one per row key (rows that
     read different bytes per token), `extra_headers` adds columns (before the tokens) filled from each row's
-    `extras`, and `reference_label` names what the tokens are compared with."""
+    `extras`, and `reference_label` names what the tokens are compared with (`reference`: one token list for all
+    rows or one per row key)."""
     ref = next((r for r in rows if r.key == ref_key and r.status == "ok"), None)
     headers = ["row", "decode tok/s", "prefill tok/s", "export+lower s", ".pte MB", f"decode/({ref_key})",
                f"prefill/({ref_key})", f"export/({ref_key})", f"pte/({ref_key})", "decode %roof", *extra_headers,
@@ -640,6 +644,7 @@ def format_table(rows: list[Row], roofline_tps: float | Mapping[str, float], ref
     for r in rows:
         label = f"({r.key}) {r.name}"
         roofline = roofline_tps[r.key] if isinstance(roofline_tps, Mapping) else roofline_tps
+        tokens = reference[r.key] if isinstance(reference, Mapping) else reference
         if r.status != "ok":
             lines.append([label, r.status])
             continue
@@ -650,7 +655,7 @@ def format_table(rows: list[Row], roofline_tps: float | Mapping[str, float], ref
             _ratio(r.export_s, ref and ref.export_s), _ratio(r.pte_mb, ref and ref.pte_mb),
             _fmt(100 * r.decode_tps / roofline if r.decode_tps else None, ".0f") + "%",
             *(r.extras.get(header, "-") for header in extra_headers),
-            f"{_matching_prefix(r.tokens, reference)}/{len(reference)}",
+            f"{_matching_prefix(r.tokens, tokens)}/{len(tokens)}",
         ])
     return aligned_table(headers, lines)
 
@@ -868,19 +873,23 @@ def describe_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     return f"CPU: {name}"
 
 
-def describe_run(title: str, bench: Bench, bandwidths: list[float]) -> str:
-    """The lines above the table: shape, weights, settings, threads and the roofline."""
+def describe_run(title: str, bench: Bench, bandwidths: list[float], model: str | None = None,
+                 weight_bytes: float | None = None) -> str:
+    """The lines above the table: shape, weights, settings, threads and the roofline. Another script's model
+    replaces the SmolLM2 shape: `model` describes it, `weight_bytes` is what one token reads of its fp32 linears."""
     from executorch.extension.pybindings.portable_lib import _threadpool_get_thread_count
 
     s = bench.shape
     gb = [b / 1e9 for b in bandwidths]
-    weight_bytes = s.weight_bytes_per_token()
+    weight_bytes = s.weight_bytes_per_token() if weight_bytes is None else weight_bytes
     roofline_tps = statistics.median(bandwidths) / weight_bytes
     threads = torch.get_num_threads()
+    model = model or (
+        f"SmolLM2-135M shape: {s.layers} layers, hidden {s.hidden}, {s.heads}/{s.kv_heads} heads (head_dim "
+        f"{s.head_dim}), intermediate {s.intermediate}, vocab {s.vocab}, tied embedding, fp32, random weights (seed "
+        f"{bench.seed}, init std {bench.init_range})")
     return "\n".join([
-        f"\n{title}, SmolLM2-135M shape: {s.layers} layers, hidden {s.hidden}, {s.heads}/{s.kv_heads} "
-        f"heads (head_dim {s.head_dim}), intermediate {s.intermediate}, vocab {s.vocab}, tied embedding, fp32, "
-        f"random weights (seed {bench.seed}, init std {bench.init_range})",
+        f"\n{title}, {model}",
         f"context {s.max_seq_len}, prompt {len(bench.prompt)} tokens (prefill), {bench.decode_steps} greedy decode "
         f"steps; figures are medians of {bench.rounds} interleaved rounds [min-max]; torch {torch.__version__}, "
         f"{threads} torch threads, {_threadpool_get_thread_count()} ExecuTorch threads",

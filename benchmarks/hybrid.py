@@ -1,0 +1,1026 @@
+"""Hybrid LLMs (Qwen3.5, LFM2) to ExecuTorch/XNNPACK: etblocks against ExecuTorch's own examples and transformers.
+
+Models, random weights (seed `--seed`, init std `--init-range`), fp32, built by transformers from a config:
+
+  --family qwen3_5  Qwen3_5ForCausalLM at the Qwen3.5-0.8B shape of ExecuTorch's examples/models/qwen3_5/config/
+                    0_8b_config.json: 24 layers, 3 `linear_attention` (Gated DeltaNet) then 1 `full_attention`
+                    (gated, partial rope), hidden 1024, 8/2 heads of 256, intermediate 3584, vocab 248320, tied
+  --family lfm2     Lfm2ForCausalLM at the LFM2-350M shape of examples/models/lfm2/config/lfm2_350m_config.json: 16
+                    layers, `conv` (short conv, L_cache 3) and `full_attention` (attention at 2, 5, 8, 10, 12, 14),
+                    hidden 1024, 16/8 heads of 64, MLP 4608, vocab 65536, tied. That file lists 17 layer types for its
+                    16 layers; the first 16 are the checkpoint's.
+
+`--layers N` keeps the first N layer types; a cut with no `full_attention` gets one as its last layer, so that a smoke
+run (`--layers 2`) has both kinds of layer.
+
+Rows (`--rows`), each exported for fp32 and for 8da4w (`--quantize`; int4 weights in groups of `--group-size`, int8
+dynamic activations, HQQ scales: ExecuTorch's `quantize(qmode="8da4w")`, which etblocks also follows):
+
+  a  etblocks xnnpack          etblocks.swap + etblocks.export, as decode.py's row (a) (`export_with_etblocks`);
+                               `UnsupportedModelError` shows as unavailable
+  b  ExecuTorch example        the family's example as its README exports it: the transformers weights saved, converted
+                               by the example's `convert_weights`, a params.json from the transformers config, then
+                               `export_llama` (what `python -m extension.llm.export.export_llm --config <example yaml>`
+                               runs) with the example's yaml: qwen3_5_xnnpack_fp32.yaml (static [1,1] shapes: prefill
+                               token by token; 8da4w adds `quantization.qmode`, which its README defers),
+                               lfm2_xnnpack_fp32.yaml / lfm2_xnnpack_q8da4w.yaml (dynamic prompt length); custom SDPA
+                               and custom KV cache (`use_sdpa_with_kv_cache`), `llama::gated_delta_rule` for DeltaNet
+  c  transformers exporter     `ExecutorchExporter().export_for_generation` (decode.py's row d): prefill.pte (static at
+                               the prompt length, so one per `--prompts` length) + decode.pte, every state passed in and
+                               out as graph inputs/outputs; 8da4w: the same torchao quantizer, then
+                               `unwrap_tensor_subclass` (its `model.to()` cannot swap torchao weights otherwise)
+  d  ExecuTorch example, dynamic   (b) with `model.enable_dynamic_shape=True`: qwen3_5 only (lfm2's (b) is dynamic)
+  e  transformers static cache     `TorchExportableModuleForDecoderOnlyLM` (decode.py's row b)
+
+Timing is decode.py's (`prepare_path`, `time_in_fresh_process`, `time_rows`): every row exported first (here each in
+a process of its own, `in_own_process`: exports of these models leave gigabytes allocated), then loaded anew in a fresh
+process and timed there in `--rounds` interleaved rounds, each an untimed warm prefill, a timed prefill of the prompt
+and `--decode-steps` timed greedy steps; medians [min-max]. One fresh process per prompt length (`--prompts`, context
+`--max-seq-len`). When the rows' programs would not fit in memory together (a full-size Qwen3.5 fp32 program is ~4 GB,
+row (c) has two) they take turns (`--load`): a row's program is loaded before its turn in each round and dropped when
+the next row's is loaded (untimed; "one at a time" in the header). Export seconds cover what each path does to the
+built model (quantization included), not building it or (row b) saving and converting its checkpoint.
+
+ExecuTorch's LFM2 example keeps its conv state across calls (its `ShortConv` does not clear it at input_pos 0, unlike
+the Qwen3.5 DeltaNet layers, which do), so a second prefill of the same prompt on the same program returns other
+logits; row (b) starts each sequence on a newly loaded program (`reset()`, untimed). Its `Llama2Model` also takes a
+checkpoint whose path contains "8da4w" or "int8" for a pre-quantized one (`export_example` keeps both out of the path).
+
+Tokens: every row's greedy tokens are compared with the eager transformers model's `generate(do_sample=False)` on the
+same weights, for each prompt. fp32 rows must agree on every token. 8da4w rows are compared with the eager model
+quantized the way the row quantizes (`build_reference_model`): rows b-e with ExecuTorch's `quantize()` on the
+transformers model, its group scales then rounded to bf16 as XNNPACK stores them; row a with etblocks' own torchao
+config (bf16 scales chosen by HQQ, the integers rounded to them: other int4 values than ExecuTorch's). XNNPACK's
+dynamic int8 activations round differently from torchao's eager ones, so with random weights the greedy paths part
+after some tokens (5 to 33 of 33 at 2 layers), and an 8da4w row must agree on the first `--quantized-min-match`. The script exits 1 when a row disagrees (printing the row and the first differing
+index) or fails; an unavailable row is reported, not an error.
+
+Also printed: fp32 state bytes per layer, against a full-attention K/V cache, at contexts 256, 2048 and 8192 (from the
+config of the full-size model):
+  full_attention    2 * ctx * kv_heads * head_dim                        (K and V)
+  conv (LFM2)       (L_cache - 1) * hidden                               (the short conv's window)
+  linear_attention  (conv_kernel - 1) * (2 * key_dim + value_dim)        (the conv window over q, k, v)
+                    + v_heads * k_head_dim * v_head_dim                  (the DeltaNet recurrent matrix)
+(programs may keep more: transformers and ExecuTorch's Qwen3.5 example keep conv_kernel rows, not conv_kernel - 1;
+ExecuTorch's LFM2 example keeps L_cache - 1).
+
+Results (tables, per-round figures, tokens, state table, CPU) go to `--out` (default benchmarks/results/hybrid.json,
+one entry per family and layer count, replaced by the next run of the same).
+
+    python benchmarks/hybrid.py --family lfm2                                     # full 16-layer run
+    python benchmarks/hybrid.py --family qwen3_5 --layers 2 --rounds 2 --rows b,c  # smoke run
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import copy
+import dataclasses
+import gc
+import json
+import multiprocessing
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from decode import (  # benchmarks/ is not a package: Python puts this script's folder first on sys.path
+    Bench,
+    Driver,
+    PathSpec,
+    RebuiltWhenPickled,
+    Row,
+    Shape,
+    TokensPosDriver,
+    Unavailable,
+    _matching_prefix,
+    argmax_last,
+    argument_parser,
+    describe_cpu,
+    describe_run,
+    eager_reference_tokens,
+    export_with_etblocks,
+    format_table,
+    load_method,
+    path_hf_static,
+    pte_megabytes,
+    prepare_path,
+    reset_driver,
+    run_method,
+    select_paths,
+    time_in_fresh_process,
+)
+
+RESULTS = Path(__file__).parent / "results" / "hybrid.json"
+STATE_CONTEXTS = (256, 2048, 8192)
+_STARTED = time.perf_counter()
+
+
+def log(message: str) -> None:
+    print(f"[hybrid bench {time.perf_counter() - _STARTED:5.0f} s] {message}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Families
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: its transformers config at the full size, and how ExecuTorch's example exports it."""
+
+    key: str
+    label: str
+    config_class: str  # in transformers
+    model_class: str
+    config: Mapping[str, Any]  # transformers config fields besides the layers
+    layer_types: tuple[str, ...]
+    example: str  # executorch.examples.models.<example>
+    example_model_class: str  # export_llm's base.model_class
+    example_yamls: Mapping[str | None, str]  # the example's config file per quantization
+    example_dynamic: bool  # whether the example's yaml exports a dynamic prompt length
+    example_resets_state: bool  # whether the example's program clears its state at input_pos 0
+
+
+QWEN3_5 = Family(
+    key="qwen3_5",
+    label="Qwen3.5-0.8B",
+    config_class="Qwen3_5TextConfig",
+    model_class="Qwen3_5ForCausalLM",
+    config=dict(
+        vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=256, rms_norm_eps=1e-6, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_num_key_heads=16, linear_num_value_heads=16, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    ),
+    layer_types=("linear_attention", "linear_attention", "linear_attention", "full_attention") * 6,
+    example="qwen3_5",
+    example_model_class="qwen3_5_0_8b",
+    example_yamls={None: "qwen3_5_xnnpack_fp32.yaml", "8da4w": "qwen3_5_xnnpack_fp32.yaml"},
+    example_dynamic=False,
+    example_resets_state=True,
+)
+
+LFM2 = Family(
+    key="lfm2",
+    label="LFM2-350M",
+    config_class="Lfm2Config",
+    model_class="Lfm2ForCausalLM",
+    config=dict(
+        vocab_size=65536, hidden_size=1024, intermediate_size=6656, block_auto_adjust_ff_dim=True,
+        block_ffn_dim_multiplier=1.0, block_multiple_of=256, num_attention_heads=16, num_key_value_heads=8,
+        norm_eps=1e-5, conv_L_cache=3, conv_bias=False, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    layer_types=("conv", "conv", "full_attention", "conv", "conv", "full_attention", "conv", "conv", "full_attention",
+                 "conv", "full_attention", "conv", "full_attention", "conv", "full_attention", "conv"),
+    example="lfm2",
+    example_model_class="lfm2_350m",
+    example_yamls={None: "lfm2_xnnpack_fp32.yaml", "8da4w": "lfm2_xnnpack_q8da4w.yaml"},
+    example_dynamic=True,
+    example_resets_state=False,
+)
+
+FAMILIES = {f.key: f for f in (QWEN3_5, LFM2)}
+
+
+def cut_layer_types(family: Family, layers: int | None) -> tuple[tuple[str, ...], bool]:
+    """The first `layers` layer types of the family (all by default), and whether the last was made
+    `full_attention` because the cut had none."""
+    full = family.layer_types
+    if layers is None:
+        return full, False
+    if not 1 <= layers <= len(full):
+        raise SystemExit(f"--layers must be 1..{len(full)} for {family.key}")
+    types = list(full[:layers])
+    if "full_attention" in types:
+        return tuple(types), False
+    types[-1] = "full_attention"
+    return tuple(types), True
+
+
+@dataclass
+class HybridBench(Bench):
+    """decode.py's settings plus the family, its layers, the weight quantization and every prompt by length
+    (`prompt` is one of them)."""
+
+    family: str = "lfm2"
+    layer_types: tuple[str, ...] = ()
+    quantize: str | None = None
+    group_size: int = 32
+    prompts: Mapping[int, list[int]] = dataclasses.field(default_factory=dict)
+
+
+def hf_config(bench: HybridBench) -> Any:
+    import transformers
+
+    family = FAMILIES[bench.family]
+    config_class = getattr(transformers, family.config_class)
+    return config_class(
+        **family.config, num_hidden_layers=len(bench.layer_types), layer_types=list(bench.layer_types),
+        initializer_range=bench.init_range, bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    )
+
+
+def model_class(bench: HybridBench) -> type:
+    import transformers
+
+    return getattr(transformers, FAMILIES[bench.family].model_class)
+
+
+def build_model(bench: HybridBench) -> torch.nn.Module:
+    """The family's transformers model with the bench's layers and seeded random weights (fp32, eval)."""
+    config = hf_config(bench)
+    torch.manual_seed(bench.seed)
+    return model_class(bench)(config).to(torch.float32).eval()
+
+
+def quantize_like_example(model: torch.nn.Module, bench: HybridBench) -> torch.nn.Module:
+    """ExecuTorch's `quantize()` as export_llama applies it (torchao `Int8DynamicActivationIntxWeightConfig`, HQQ
+    scales, every linear whose input width the group size divides), in place; fp32 models are returned as they are."""
+    if bench.quantize is None:
+        return model
+    from executorch.examples.models.llama.source_transformation.quantize import quantize
+    from executorch.extension.llm.export.builder import DType
+
+    with torch.no_grad():
+        return quantize(model, qmode=bench.quantize, computation_dtype=DType.fp32, group_size=bench.group_size)
+
+
+REFERENCE_SCHEMES = {"a": "etblocks"}  # how each row quantizes, when not as ExecuTorch's example ("example")
+
+
+def reference_scheme(key: str, quantize: str | None) -> str:
+    """Which eager reference row `key` is compared with: "fp32", or how the row quantizes its weights."""
+    return "fp32" if quantize is None else REFERENCE_SCHEMES.get(key, "example")
+
+
+def build_reference_model(bench: HybridBench, scheme: str) -> torch.nn.Module:
+    """The eager model a row's tokens are compared with: `build_model`, quantized as the row quantizes. "example":
+    ExecuTorch's `quantize()` (`quantize_like_example`), its int4 group scales then rounded to bf16 as XNNPACK
+    stores them; "etblocks": torchao with etblocks' own config (`WeightQuantization.linear_config()`, bf16 scales
+    chosen by HQQ, the integers rounded to them)."""
+    model = build_model(bench)
+    if scheme == "fp32":
+        return model
+    with torch.no_grad():
+        if scheme == "etblocks":
+            from etblocks.export.weights import WeightQuantization
+            from torchao.quantization import quantize_
+
+            plan = WeightQuantization(bench.quantize, bench.group_size if bench.quantize == "8da4w" else None)
+            quantize_(model, plan.linear_config(), filter_fn=lambda module, fqn: isinstance(module, torch.nn.Linear))
+            return model
+        model = quantize_like_example(model, bench)
+        for module in model.modules():
+            scale = getattr(getattr(module, "weight", None), "scale", None)
+            if isinstance(module, torch.nn.Linear) and isinstance(scale, torch.Tensor):
+                scale.copy_(scale.to(torch.bfloat16).to(scale.dtype))
+    return model
+
+
+def quantize_for_transformers_export(model: torch.nn.Module, bench: HybridBench) -> torch.nn.Module:
+    """`quantize_like_example`, then the torchao tensor subclasses unwrapped into plain tensors and
+    parametrizations: transformers' exporter moves the model with `model.to()`, which cannot swap them."""
+    model = quantize_like_example(model, bench)
+    if bench.quantize is not None:
+        from torchao.utils import unwrap_tensor_subclass
+
+        unwrap_tensor_subclass(model)
+    return model
+
+
+def build_export_model(bench: HybridBench) -> torch.nn.Module:
+    """What the transformers exporters get: `build_model` quantized for them."""
+    return quantize_for_transformers_export(build_model(bench), bench)
+
+
+def linear_shapes(bench: HybridBench) -> list[tuple[int, int]]:
+    """(out, in) of every linear one token runs through, the lm_head included (built on the meta device)."""
+    with torch.device("meta"):
+        model = model_class(bench)(hf_config(bench))
+    return [(m.out_features, m.in_features) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+
+def weight_bytes_per_token(bench: HybridBench, quantize: str | None) -> float:
+    """What one decode step reads of the linear weights (quant.py's byte counts; an 8da4w linear whose input width
+    the group size does not divide stays fp32, as the quantizer leaves it)."""
+    from quant import linear_bytes
+
+    total = 0.0
+    for out_features, in_features in linear_shapes(bench):
+        scheme = quantize if quantize is None or in_features % bench.group_size == 0 else None
+        total += linear_bytes(out_features, in_features, scheme, bench.group_size)
+    return total
+
+
+# --------------------------------------------------------------------------------------------------
+# State bytes per layer
+
+
+def state_bytes(config: Any, kind: str, context: int, bytes_per_value: int = 4) -> int:
+    """fp32 bytes one layer of `kind` keeps for a sequence of `context` tokens (module docstring)."""
+    if kind == "full_attention":
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return 2 * context * config.num_key_value_heads * head_dim * bytes_per_value
+    if kind == "conv":
+        return (config.conv_L_cache - 1) * config.hidden_size * bytes_per_value
+    if kind == "linear_attention":
+        key_dim = config.linear_num_key_heads * config.linear_key_head_dim
+        value_dim = config.linear_num_value_heads * config.linear_value_head_dim
+        window = (config.linear_conv_kernel_dim - 1) * (2 * key_dim + value_dim)
+        recurrent = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
+        return (window + recurrent) * bytes_per_value
+    raise ValueError(f"no state size for layer type {kind!r}")
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def state_table(bench: HybridBench) -> tuple[str, dict[str, Any]]:
+    """The text table of state bytes per layer and per model at `STATE_CONTEXTS`, and the same figures for the
+    results file; at the full size of the family."""
+    from decode import aligned_table
+
+    family = FAMILIES[bench.family]
+    config = hf_config(dataclasses.replace(bench, layer_types=family.layer_types))
+    kinds = list(dict.fromkeys(family.layer_types))
+    counts = {kind: family.layer_types.count(kind) for kind in kinds}
+    per_layer = {kind: {c: state_bytes(config, kind, c) for c in STATE_CONTEXTS} for kind in kinds}
+    model = {c: sum(counts[k] * per_layer[k][c] for k in kinds) for c in STATE_CONTEXTS}
+    all_full = {c: len(family.layer_types) * per_layer["full_attention"][c] for c in STATE_CONTEXTS}
+    headers = ["layer (fp32 state)", "layers", *(f"ctx {c}" for c in STATE_CONTEXTS),
+               *(f"vs full attn @{c}" for c in STATE_CONTEXTS)]
+    lines = [[kind, str(counts[kind]), *(_bytes(per_layer[kind][c]) for c in STATE_CONTEXTS),
+              *(f"{per_layer[kind][c] / per_layer['full_attention'][c]:.3f}x" for c in STATE_CONTEXTS)]
+             for kind in kinds]
+    lines.append([f"{family.label} (all {len(family.layer_types)} layers)", str(len(family.layer_types)),
+                  *(_bytes(model[c]) for c in STATE_CONTEXTS),
+                  *(f"{model[c] / all_full[c]:.3f}x" for c in STATE_CONTEXTS)])
+    lines.append(["same layers, all full attention", str(len(family.layer_types)),
+                  *(_bytes(all_full[c]) for c in STATE_CONTEXTS), *("1.000x" for _ in STATE_CONTEXTS)])
+    figures = {"contexts": list(STATE_CONTEXTS), "layers": counts,
+               "bytes_per_layer": {k: {str(c): v for c, v in per.items()} for k, per in per_layer.items()},
+               "model_bytes": {str(c): v for c, v in model.items()},
+               "all_full_attention_bytes": {str(c): v for c, v in all_full.items()}}
+    return aligned_table(headers, lines), figures
+
+
+# --------------------------------------------------------------------------------------------------
+# Drivers
+
+
+class ReloadingDriver(TokensPosDriver):
+    """`TokensPosDriver` for a program that keeps state it does not clear at input_pos 0 (ExecuTorch's LFM2 example):
+    `reset()` loads the program anew, which starts it from zeroed buffers."""
+
+    def __init__(self, path: Path, token_by_token: bool = False):
+        super().__init__(path, token_by_token)
+        self.path = path
+
+    def reset(self) -> None:
+        self.method = None
+        gc.collect()
+        self.method = load_method(self.path)
+
+
+class ExporterDriver(RebuiltWhenPickled):
+    """transformers' `export_for_generation` programs of a hybrid model, one saved export per prompt length (`dirs`):
+    `prefill` (static at its prompt length, loaded the first time a prompt of that length comes) and `decode` (from
+    the first export). Inputs follow each program's recorded kwargs: `None` for a mask the layer type does not take
+    (the programs keep those slots), the cache's tensors flattened; the prefill takes each attention layer's write
+    position, both return logits and the whole cache, which the next call takes back."""
+
+    def __init__(self, dirs: Mapping[int, Path], max_cache_len: int):
+        from transformers.exporters.metadata import load_treespec
+
+        self.dirs = {int(n): Path(d) for n, d in dirs.items()}
+        self.max_cache_len = max_cache_len
+        self.meta = {n: json.loads((d / "export.json").read_text())["components"] for n, d in self.dirs.items()}
+        self.leaves = {n: {name: load_treespec(c["metadata"]["out_spec"]).num_leaves for name, c in meta.items()}
+                       for n, meta in self.meta.items()}
+        first = min(self.dirs)
+        self.decode_method = load_method(self.dirs[first] / "decode.pte")
+        self.decode_layout = self._layout(self.meta[first]["decode"])
+        self.prefill_methods: dict[int, Any] = {}
+        self.cache: list[torch.Tensor] = []
+
+    @staticmethod
+    def _layout(component: Mapping[str, Any]) -> list[str]:
+        """Each graph input's source: a kwarg name, "none", or "cache" (all the cache's tensors)."""
+        layout = []
+        for name, meta in component["metadata"]["kwargs"].items():
+            if "leaves" in meta:
+                layout += ["none" if leaf.get("container") == "NoneType" else name for leaf in meta["leaves"].values()]
+            elif meta.get("container") == "NoneType":
+                layout.append("none")
+            else:
+                layout.append(name)
+        return layout
+
+    @staticmethod
+    def _inputs(layout: Sequence[str], values: Mapping[str, Any], cache: Sequence[torch.Tensor]) -> list[Any]:
+        inputs: list[Any] = []
+        for source in layout:
+            inputs += cache if source == "cache" else [None if source == "none" else values[source]]
+        return inputs
+
+    def prefill(self, prompt: list[int]) -> int:
+        n = len(prompt)
+        if n not in self.dirs:
+            raise ValueError(f"no prefill program for a {n}-token prompt (exported for {sorted(self.dirs)})")
+        if n not in self.prefill_methods:
+            self.prefill_methods[n] = load_method(self.dirs[n] / "prefill.pte")
+        method, layout = self.prefill_methods[n], self._layout(self.meta[n]["prefill"])
+        write_positions = method.metadata.num_inputs() - len([s for s in layout if s != "cache"])
+        values = {"input_ids": torch.tensor([prompt], dtype=torch.long),
+                  "position_ids": torch.arange(n, dtype=torch.long)[None]}
+        outputs = run_method(method, self._inputs(layout, values, [torch.tensor(0)] * write_positions))
+        logits, *self.cache = outputs[-self.leaves[n]["prefill"]:]
+        return argmax_last(logits)
+
+    def decode(self, token: int, pos: int) -> int:
+        values = {"input_ids": torch.tensor([[token]], dtype=torch.long),
+                  "attention_mask": (torch.arange(self.max_cache_len) <= pos)[None, None, None],
+                  "position_ids": torch.tensor([[pos]], dtype=torch.long)}
+        outputs = run_method(self.decode_method, self._inputs(self.decode_layout, values, self.cache))
+        logits, *self.cache = outputs[-self.leaves[min(self.dirs)]["decode"]:]
+        return argmax_last(logits)
+
+
+class Deferred:
+    """A driver's constructor call (`RebuiltWhenPickled.__reduce__`), kept in place of the driver: pickles as that
+    call, so `time_in_fresh_process` builds the driver in its process while this one holds no program."""
+
+    def __init__(self, construction: tuple[Callable[..., Any], tuple]):
+        self.construction = construction
+
+    def __reduce__(self):
+        return self.construction
+
+
+class OneAtATime(RebuiltWhenPickled):
+    """A driver loaded only for its turn: `reset()` (untimed, before every prefill) builds it from its constructor
+    call if it is not loaded, dropping whichever `OneAtATime` driver of this process was, so that one program at a
+    time is in memory while the rows still take turns within each round."""
+
+    _loaded: OneAtATime | None = None
+
+    def __init__(self, construction: tuple[Callable[..., Any], tuple]):
+        self.construction = construction
+        self.inner: Driver | None = None
+
+    def reset(self) -> None:
+        if self.inner is None:
+            current = OneAtATime._loaded
+            if current is not None and current is not self:
+                current.inner = None
+                gc.collect()
+            function, args = self.construction
+            self.inner = function(*args)  # a program just loaded starts from zeroed state
+            OneAtATime._loaded = self
+            return
+        reset_driver(self.inner)
+
+    def prefill(self, prompt: list[int]) -> int:
+        return self.inner.prefill(prompt)
+
+    def decode(self, token: int, pos: int) -> int:
+        return self.inner.decode(token, pos)
+
+
+# --------------------------------------------------------------------------------------------------
+# Paths: one function per row, `(bench, row) -> Driver`
+
+
+def one_line(error: BaseException) -> str:
+    """`Type: first line` of an exception and of the errors it was raised from."""
+    parts = []
+    while error is not None and len(parts) < 4:
+        parts.append(f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}")
+        error = error.__cause__
+    return " <- ".join(parts)
+
+
+def tag(bench: HybridBench) -> str:
+    return bench.quantize or "fp32"
+
+
+def path_etblocks(bench: HybridBench, row: Row) -> Driver:
+    """(a) etblocks: swap the transformers model's blocks, export to XNNPACK, `forward(tokens, input_pos)`."""
+    from etblocks.errors import UnsupportedModelError
+
+    export_options = {"quantize_weights": bench.quantize, "group_size": bench.group_size} if bench.quantize else {}
+    try:
+        driver, _ = export_with_etblocks(bench, row, build_model, f"a_etblocks_{tag(bench)}.pte",
+                                         export_options=export_options)
+    except UnsupportedModelError as e:
+        raise Unavailable(one_line(e)) from e
+    return driver
+
+
+def example_params(bench: HybridBench, model: torch.nn.Module) -> dict[str, Any]:
+    """The example's params.json for the transformers model (the keys of its config/*.json)."""
+    config = model.config
+    rope = config.rope_parameters
+    common = dict(dim=config.hidden_size, n_heads=config.num_attention_heads, n_kv_heads=config.num_key_value_heads,
+                  n_layers=config.num_hidden_layers, rope_theta=rope["rope_theta"], use_scaled_rope=False,
+                  vocab_size=config.vocab_size, use_hf_rope=True, use_qk_norm=True, qk_norm_before_rope=True)
+    if bench.family == "qwen3_5":
+        return dict(
+            common, hidden_dim=config.intermediate_size, head_dim=config.head_dim, norm_eps=config.rms_norm_eps,
+            partial_rotary_factor=rope["partial_rotary_factor"], attention_qkv_bias=config.attention_bias,
+            attention_type="mha", use_q_gate=True, rms_norm_add_unit_offset=True,
+            linear_conv_kernel_dim=config.linear_conv_kernel_dim, linear_key_head_dim=config.linear_key_head_dim,
+            linear_value_head_dim=config.linear_value_head_dim, linear_num_key_heads=config.linear_num_key_heads,
+            linear_num_value_heads=config.linear_num_value_heads, layer_types=list(config.layer_types),
+        )
+    ffn = next(m for m in model.modules() if type(m).__name__ == "Lfm2MLP").w1.out_features  # after auto-adjust
+    return dict(common, ffn_dim_multiplier=1, hidden_dim=ffn, norm_eps=config.norm_eps,
+                layer_types=list(config.layer_types))
+
+
+def export_example(bench: HybridBench, row: Row, filename: str, dynamic: bool | None = None) -> tuple[Path, bool]:
+    """Export the family's ExecuTorch example on the transformers model's weights; returns the .pte and whether it
+    takes a dynamic prompt length. `dynamic` overrides the example's `model.enable_dynamic_shape`."""
+    import importlib
+
+    from executorch.examples.models.llama.export_llama_lib import export_llama
+    from executorch.extension.llm.export.config.llm_config import LlmConfig
+    from omegaconf import OmegaConf
+
+    family = FAMILIES[bench.family]
+    example = importlib.import_module(f"executorch.examples.models.{family.example}")
+    # No "8da4w" or "int8" in the checkpoint's path: the example's Llama2Model takes such a checkpoint for a
+    # pre-quantized one (and swaps every linear for a quantized module before loading it).
+    work = Path(tempfile.mkdtemp(prefix=f"{row.key}_example_", dir=bench.out_dir))
+    model = build_model(bench)
+    (work / "params.json").write_text(json.dumps(example_params(bench, model), indent=1))
+    with contextlib.redirect_stdout(sys.stderr):
+        model.save_pretrained(work / "hf")  # safetensors, without the tied lm_head: what convert_weights reads
+        del model
+        gc.collect()
+        start = time.perf_counter()
+        example.convert_weights(str(work / "hf"), str(work / "checkpoint.pth"))
+        convert_s = time.perf_counter() - start
+    overrides: dict[str, Any] = {
+        "base": {"model_class": family.example_model_class, "params": str(work / "params.json"),
+                 "checkpoint": str(work / "checkpoint.pth")},
+        "export": {"max_seq_length": bench.shape.max_seq_len, "max_context_length": bench.shape.max_seq_len,
+                   "output_dir": str(work), "output_name": str(bench.out_dir / filename)},
+    }
+    if bench.quantize:
+        overrides["quantization"] = {"qmode": bench.quantize, "group_size": bench.group_size}
+    if dynamic is not None:
+        overrides["model"] = {"enable_dynamic_shape": dynamic}
+    yaml = Path(example.__file__).parent / "config" / family.example_yamls[bench.quantize]
+    merged = OmegaConf.merge(OmegaConf.structured(LlmConfig), OmegaConf.load(yaml), OmegaConf.create(overrides))
+    llm_config = OmegaConf.to_object(merged)  # as export_llm's hydra_main builds it
+    dynamic_shape = llm_config.model.enable_dynamic_shape
+    start = time.perf_counter()
+    with contextlib.redirect_stdout(sys.stderr):
+        path = Path(export_llama(llm_config))
+    row.export_s = time.perf_counter() - start
+    row.pte_mb = pte_megabytes(path)
+    shutil.rmtree(work / "hf", ignore_errors=True)  # the checkpoint copies are as large as the model
+    (work / "checkpoint.pth").unlink(missing_ok=True)
+    notes = [f"{yaml.name}" + ("" if dynamic is None else f" + enable_dynamic_shape={dynamic}"),
+             f"convert_weights {convert_s:.0f} s not in export s"]
+    if not dynamic_shape:
+        notes.append("static [1,1] shapes: prefill token by token")
+    if not family.example_resets_state:
+        notes.append("state not cleared at input_pos 0: each sequence on a newly loaded program")
+    row.note = "; ".join(notes)
+    return path, dynamic_shape
+
+
+def example_driver(bench: HybridBench, path: Path, dynamic_shape: bool) -> Driver:
+    if FAMILIES[bench.family].example_resets_state:
+        return TokensPosDriver(path, token_by_token=not dynamic_shape)
+    return ReloadingDriver(path, token_by_token=not dynamic_shape)
+
+
+def path_example(bench: HybridBench, row: Row) -> Driver:
+    """(b) ExecuTorch's example of the family, as its README's export_llm command exports it (module docstring)."""
+    path, dynamic_shape = export_example(bench, row, f"b_example_{tag(bench)}.pte")
+    return example_driver(bench, path, dynamic_shape)
+
+
+def path_example_dynamic(bench: HybridBench, row: Row) -> Driver:
+    """(d) (b) with `model.enable_dynamic_shape=True`, for an example whose config exports static shapes."""
+    family = FAMILIES[bench.family]
+    if family.example_dynamic:
+        raise Unavailable(f"{family.example_yamls[bench.quantize]} already exports a dynamic prompt length: row (b)")
+    path, dynamic_shape = export_example(bench, row, f"d_example_dynamic_{tag(bench)}.pte", dynamic=True)
+    return example_driver(bench, path, dynamic_shape)
+
+
+def path_hf_exporter(bench: HybridBench, row: Row) -> Driver:
+    """(c) transformers `ExecutorchExporter().export_for_generation`, one export per prompt length (its prefill is
+    static); decode.py's row (d) with the hybrid's inputs (`ExporterDriver`)."""
+    from transformers import GenerationConfig
+    from transformers.exporters import ExecutorchExporter
+    from transformers.exporters.configs import ExecutorchConfig
+
+    model = build_model(bench)
+    dirs, start = {}, time.perf_counter()
+    model = quantize_for_transformers_export(model, bench)  # once, for every prompt length
+    for n, prompt in sorted(bench.prompts.items()):
+        ids = torch.tensor([prompt], dtype=torch.long)
+        out = bench.out_dir / f"c_hf_exporter_{tag(bench)}_{n}"
+        try:
+            with contextlib.redirect_stdout(sys.stderr):
+                exported = ExecutorchExporter().export_for_generation(
+                    model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                    config=ExecutorchConfig(backend="xnnpack"),
+                    generation_config=GenerationConfig(cache_implementation="static",
+                                                       max_cache_len=bench.shape.max_seq_len),
+                )
+                exported.save_pretrained(out)
+        except Exception as e:  # the row says why it does not export, in one line
+            raise Unavailable(one_line(e)) from e
+        dirs[n] = out
+        del exported
+        gc.collect()
+    del model
+    row.export_s = time.perf_counter() - start
+    first = min(dirs)
+    row.pte_mb = pte_megabytes(dirs[first] / "prefill.pte", dirs[first] / "decode.pte")
+    exports = f"{len(dirs)} export{'s' * (len(dirs) > 1)}"
+    row.note = (f"prefill.pte per prompt length ({exports}, all in export s; .pte MB: one prefill + decode, each with "
+                f"all weights); full prefill logits; state passed in and out")
+    if bench.quantize:
+        row.note += "; torchao weights unwrapped (unwrap_tensor_subclass) for its model.to()"
+    return ExporterDriver(dirs, bench.shape.max_seq_len)
+
+
+def path_hf_static_cache(bench: HybridBench, row: Row) -> Driver:
+    """(e) transformers `TorchExportableModuleForDecoderOnlyLM` (decode.py's row b). Its StaticCache wrapper is tried
+    on the fp32 model first: when transformers cannot build it for these layers, nothing is quantized for nothing."""
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+    try:
+        probe = build_model(bench)
+        probe.generation_config.cache_implementation = "static"
+        TorchExportableModuleForDecoderOnlyLM(probe, batch_size=1, max_cache_len=bench.shape.max_seq_len)
+        del probe
+        return path_hf_static(bench, row, build_export_model)
+    except Exception as e:  # the row says why it does not export, in one line
+        raise Unavailable(one_line(e)) from e
+
+
+PATHS: list[PathSpec] = [
+    PathSpec("a", "etblocks xnnpack", path_etblocks),
+    PathSpec("b", "ExecuTorch example", path_example),
+    PathSpec("c", "transformers ExecutorchExporter", path_hf_exporter),
+    PathSpec("d", "ExecuTorch example, dynamic shape", path_example_dynamic),
+    PathSpec("e", "transformers static-cache export", path_hf_static_cache),
+]
+
+
+# --------------------------------------------------------------------------------------------------
+# One quantization setting: references, exports, timing per prompt length
+
+
+def memory_available() -> float:
+    """MemAvailable of /proc/meminfo in bytes (inf when unknown)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float("inf")
+
+
+def in_own_process(function: Callable[..., Any], *args: Any) -> Any:
+    """`function(*args)` in a newly spawned process that ends with it. Exports run so: what one leaves allocated
+    (the parent process held 13.6 GB after the Qwen3.5 exports of a 2-layer run made in it) goes with its process,
+    and a process killed for memory raises here (`BrokenProcessPool`) where a `multiprocessing.Pool` would wait."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        return pool.submit(function, *args).result()
+
+
+def _prepare(key: str, bench: HybridBench) -> tuple[Row, tuple | None]:
+    """`prepare_path` of row `key` (export, load, warm up); returns the row and its driver's constructor call."""
+    row, driver = prepare_path(next(p for p in PATHS if p.key == key), bench)
+    return row, (driver.__reduce__() if driver is not None else None)
+
+
+def prepare_in_own_process(spec: PathSpec, bench: HybridBench) -> tuple[Row, tuple | None]:
+    try:
+        return in_own_process(_prepare, spec.key, bench)
+    except Exception as e:  # the export's process died (out of memory?) or could not start
+        return Row(spec.key, spec.name, status=f"failed: export process: {one_line(e)}"), None
+
+
+def reference_tokens(bench: HybridBench, schemes: Sequence[str]) -> dict[str, dict[int, list[int]]]:
+    """The eager reference model's greedy tokens (`build_reference_model`) per scheme and prompt length; each model
+    is built (and quantized: minutes for a 248k-row lm_head) once for every prompt."""
+    tokens = {}
+    for scheme in schemes:
+        model = build_reference_model(bench, scheme)
+        tokens[scheme] = {n: eager_reference_tokens(dataclasses.replace(bench, prompt=p), lambda _, m=model: m)
+                          for n, p in sorted(bench.prompts.items())}
+        del model
+        gc.collect()
+    return tokens
+
+
+@dataclass
+class Outcome:
+    """One quantization setting's results: rows and bandwidths per prompt length, reference tokens per scheme and
+    prompt length."""
+
+    quantize: str | None
+    rows: dict[int, list[Row]]
+    bandwidths: dict[int, list[float]]
+    references: dict[str, dict[int, list[int]]]
+    one_at_a_time: bool
+    program_mb: float
+
+    def reference(self, key: str, n: int) -> list[int]:
+        """The tokens row `key` is compared with for the `n`-token prompt."""
+        return self.references[reference_scheme(key, self.quantize)][n]
+
+    def reference_by_row(self, n: int) -> dict[str, list[int]]:
+        return {row.key: self.reference(row.key, n) for row in self.rows[n]}
+
+
+def run_setting(bench: HybridBench, specs: Sequence[PathSpec], keep_files: bool, load: str) -> Outcome:
+    """Reference tokens, every row's export (each in its own process, loaded and warmed up once there), then each
+    prompt length timed in its own fresh process. `load`: "together", "one-at-a-time" or "auto" (one at a time when
+    the programs would take more than half the available memory)."""
+    log(f"{tag(bench)}: eager reference tokens")
+    schemes = sorted({reference_scheme(spec.key, bench.quantize) for spec in specs})
+    references = in_own_process(reference_tokens, bench, schemes)
+    deferred: list[tuple[Row, Any]] = []
+    for spec in specs:
+        log(f"{tag(bench)}: ({spec.key}) {spec.name}")
+        row, construction = prepare_in_own_process(spec, bench)
+        deferred.append((row, Deferred(construction) if construction is not None else None))
+    program_mb = sum(row.pte_mb or 0 for row, d in deferred if d is not None)
+    one_at_a_time = load == "one-at-a-time" or (load == "auto" and program_mb * 1e6 * 1.3 > 0.5 * memory_available())
+    rows, bandwidths = {}, {}
+    try:
+        for n, prompt in sorted(bench.prompts.items()):
+            log(f"{tag(bench)}: timing the {n}-token prompt in a fresh process"
+                f"{' (one program at a time)' if one_at_a_time else ''}")
+            prepared = [(copy.deepcopy(row), (OneAtATime(d.construction) if one_at_a_time else d) if d else None)
+                        for row, d in deferred]
+            rows[n], bandwidths[n] = time_in_fresh_process(prepared, dataclasses.replace(bench, prompt=prompt),
+                                                           warm_prefill=True)
+    finally:
+        if not keep_files:
+            shutil.rmtree(bench.out_dir, ignore_errors=True)
+    return Outcome(bench.quantize, rows, bandwidths, references, one_at_a_time, program_mb)
+
+
+# --------------------------------------------------------------------------------------------------
+# Report
+
+
+def check_tokens(outcome: Outcome, min_match: int) -> list[str]:
+    """One line per row and prompt whose tokens disagree with the reference more than allowed (fp32: any token;
+    8da4w: within the first `min_match`), or whose path failed."""
+    problems = []
+    for n, rows in outcome.rows.items():
+        for row in rows:
+            reference = outcome.reference(row.key, n)
+            required = len(reference) if outcome.quantize is None else min(min_match, len(reference))
+            where = f"({row.key}) {row.name}, {tag_of(outcome.quantize)}, {n}-token prompt"
+            if row.status.startswith("failed"):
+                problems.append(f"FAILED    {where}: {row.status}")
+                continue
+            if row.status != "ok":
+                continue
+            agree = _matching_prefix(row.tokens, reference)
+            if agree < len(reference):
+                theirs = row.tokens[agree] if agree < len(row.tokens) else "-"
+                line = (f"{where}: first differing index {agree} (row {theirs} vs eager {reference[agree]}), "
+                        f"{agree}/{len(reference)} tokens agree")
+                if agree < required:
+                    problems.append(f"DISAGREES {line}")
+                else:
+                    print(f"  differs after the required {required}: {line}")
+    return problems
+
+
+def tag_of(quantize: str | None) -> str:
+    return quantize or "fp32"
+
+
+def format_outcome(outcome: Outcome, bench: HybridBench, title: str, model_line: str) -> tuple[str, float]:
+    """describe_run's header and format_table's table for one quantization setting (first prompt length in the main
+    columns, the others as extra columns); returns the text and the roofline tok/s."""
+    lengths = sorted(outcome.rows)
+    first = lengths[0]
+    rows = outcome.rows[first]
+    extra_headers = []
+    for n in lengths[1:]:
+        headers = (f"decode@{n} tok/s", f"prefill@{n} tok/s", f"tokens@{n}")
+        extra_headers += headers
+        by_key = {r.key: r for r in outcome.rows[n]}
+        for row in rows:
+            other = by_key[row.key]
+            if other.status != "ok":
+                row.extras.update(dict.fromkeys(headers, "failed" if other.status.startswith("failed") else "-"))
+                continue
+            row.extras[headers[0]] = f"{statistics.median(other.decode_runs):.1f}"
+            row.extras[headers[1]] = f"{statistics.median(other.prefill_runs):.0f}"
+            reference = outcome.reference(row.key, n)
+            row.extras[headers[2]] = f"{_matching_prefix(other.tokens, reference)}/{len(reference)}"
+    fp32_bytes = weight_bytes_per_token(bench, None)
+    quantized_bytes = weight_bytes_per_token(bench, outcome.quantize)
+    bandwidths = outcome.bandwidths[first]
+    roofline = statistics.median(bandwidths) / quantized_bytes if bandwidths else float("nan")
+    header = describe_run(title, dataclasses.replace(bench, prompt=bench.prompts[first]), bandwidths or [float("nan")],
+                          model=model_line, weight_bytes=fp32_bytes).rstrip("\n")
+    lines = [header]
+    if outcome.quantize:
+        lines.append(f"this table's roofline: the same bandwidth / {quantized_bytes / 1e6:.1f} MB of "
+                     f"{outcome.quantize} linears (group {bench.group_size}, bf16 scales) = {roofline:.1f} tok/s")
+    lines.append(f"programs: {outcome.program_mb:.0f} MB in all, "
+                 + ("loaded one at a time (each before its turn in a round, untimed)" if outcome.one_at_a_time
+                    else "all loaded together"))
+    if len(lengths) > 1:
+        other_bandwidth = statistics.median(outcome.bandwidths[lengths[-1]] or [float("nan")]) / 1e9
+        lines.append(f"main columns: the {first}-token prompt; @N columns: the N-token prompt (its own fresh process, "
+                     f"bandwidth {other_bandwidth:.1f} GB/s)")
+    ref_key = next((r.key for r in rows if r.key == "a" and r.status == "ok"),
+                   next((r.key for r in rows if r.status == "ok"), "a"))
+    label = "eager" if outcome.quantize is None else f"eager {outcome.quantize}"
+    lines.append("")
+    lines.append(format_table(rows, roofline, outcome.reference_by_row(first), ref_key=ref_key, reference_label=label,
+                              extra_headers=extra_headers))
+    notes = [f"  ({r.key}) {r.note}" for r in rows if r.note and r.status == "ok"]
+    if notes:
+        lines.append("notes:\n" + "\n".join(notes))
+    return "\n".join(lines), roofline
+
+
+def row_record(outcome: Outcome, key: str) -> dict:
+    rows_by_prompt = outcome.rows
+    first = next(r for r in rows_by_prompt[min(rows_by_prompt)] if r.key == key)
+    record = {"key": key, "name": first.name, "status": first.status, "export_s": first.export_s,
+              "pte_mb": first.pte_mb, "note": first.note, "prompts": {}}
+    for n, rows in rows_by_prompt.items():
+        row = next(r for r in rows if r.key == key)
+        record["prompts"][str(n)] = {
+            "status": row.status, "decode_tps": row.decode_tps, "prefill_tps": row.prefill_tps,
+            "decode_runs": row.decode_runs, "prefill_runs": row.prefill_runs, "tokens": row.tokens,
+            "reference": reference_scheme(key, outcome.quantize),
+            "tokens_agreeing": _matching_prefix(row.tokens, outcome.reference(key, n)) if row.tokens else None,
+        }
+    return record
+
+
+def save_results(path: Path, entry_key: str, entry: dict) -> None:
+    """Replace this family's entry in the results file (other entries kept)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        results = json.loads(path.read_text())
+    except (OSError, ValueError):
+        results = {}
+    results.setdefault("runs", {})[entry_key] = entry
+    path.write_text(json.dumps(results, indent=1, default=str) + "\n")
+
+
+# --------------------------------------------------------------------------------------------------
+# Main
+
+
+def parse_args(argv: Sequence[str] | None) -> Any:
+    parser = argument_parser(PATHS, __doc__)
+    parser.add_argument("--family", choices=sorted(FAMILIES), required=True)
+    parser.add_argument("--prompts", default="64,256", help="comma-separated prompt lengths, each timed")
+    parser.add_argument("--quantize", default="none,8da4w", help="comma-separated: none (fp32), 8da4w")
+    parser.add_argument("--group-size", type=int, default=32, help="8da4w's group size (every row)")
+    parser.add_argument("--quantized-min-match", type=int, default=1,
+                        help="leading greedy tokens an 8da4w row must share with the eager 8da4w model")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="results file (JSON)")
+    parser.add_argument("--load", choices=("auto", "together", "one-at-a-time"), default="auto",
+                        help="the timing process holds every row's program, or one at a time (auto: one at a time when "
+                             "they would take more than half the available memory)")
+    parser.set_defaults(layers=None, max_seq_len=512, prompt_len=None)
+    args = parser.parse_args(argv)
+    args.prompt_lengths = [args.prompt_len] if args.prompt_len else [int(p) for p in args.prompts.split(",") if p]
+    args.quantize_modes = [None if q.strip() == "none" else q.strip() for q in args.quantize.split(",") if q.strip()]
+    unknown = [q for q in args.quantize_modes if q not in (None, "8da4w")]
+    if unknown:
+        raise SystemExit(f"unknown --quantize {unknown}: none, 8da4w")
+    if max(args.prompt_lengths) + args.decode_steps + 3 > args.max_seq_len:
+        raise SystemExit(f"--max-seq-len {args.max_seq_len} is too short for a {max(args.prompt_lengths)}-token "
+                         f"prompt and {args.decode_steps} decode steps")
+    return args
+
+
+def make_hybrid_bench(args: Any) -> tuple[HybridBench, bool]:
+    """The settings, every prompt (prefixes of one seeded random prompt), and whether the cut of the layers made
+    its last one full_attention."""
+    family = FAMILIES[args.family]
+    layer_types, made_full = cut_layer_types(family, args.layers)
+    generator = torch.Generator().manual_seed(args.seed)
+    bench = HybridBench(Shape(), [], args.decode_steps, args.rounds, Path(), args.seed, args.init_range,
+                        family=family.key, layer_types=layer_types, group_size=args.group_size)
+    config = hf_config(bench)
+    longest = torch.randint(1, config.vocab_size, (max(args.prompt_lengths),), generator=generator).tolist()
+    prompts = {n: longest[:n] for n in sorted(set(args.prompt_lengths))}
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    shape = Shape(layers=len(layer_types), hidden=config.hidden_size, heads=config.num_attention_heads,
+                  kv_heads=config.num_key_value_heads, head_dim=head_dim, intermediate=config.intermediate_size,
+                  vocab=config.vocab_size, max_seq_len=args.max_seq_len)
+    out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="etblocks_hybrid_bench_"))
+    bench = dataclasses.replace(bench, shape=shape, prompt=prompts[args.prompt_lengths[0]], prompts=prompts,
+                                out_dir=out_dir)
+    return bench, made_full
+
+
+def describe_model(bench: HybridBench, made_full: bool) -> str:
+    family = FAMILIES[bench.family]
+    config = hf_config(bench)
+    counts = {k: bench.layer_types.count(k) for k in dict.fromkeys(bench.layer_types)}
+    layers = ", ".join(f"{v} {k}" for k, v in counts.items())
+    cut = ""
+    if len(bench.layer_types) < len(family.layer_types):
+        cut = f", the first {len(bench.layer_types)} of {len(family.layer_types)}"
+        cut += " (the last made full_attention)" if made_full else ""
+    s = bench.shape
+    return (f"{family.label} shape ({config.model_type}): {s.layers} layers ({layers}{cut}), hidden {s.hidden}, "
+            f"{s.heads}/{s.kv_heads} heads (head_dim {s.head_dim}), vocab {s.vocab}, tied embedding, fp32, random "
+            f"weights (seed {bench.seed}, init std {bench.init_range})")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    specs = select_paths(args.rows, PATHS)
+    bench, made_full = make_hybrid_bench(args)
+    model_line = describe_model(bench, made_full)
+    table, state_figures = state_table(bench)
+    print(f"\nState per layer, {FAMILIES[bench.family].label}, fp32, against a full-attention K/V cache "
+          f"(from the config, module docstring)\n{table}\n", flush=True)
+
+    outcomes, texts, problems = [], [], []
+    for quantize in args.quantize_modes:
+        setting = dataclasses.replace(bench, quantize=quantize,
+                                      out_dir=bench.out_dir / ("fp32" if quantize is None else "quantized"))
+        setting.out_dir.mkdir(parents=True, exist_ok=True)
+        outcome = run_setting(setting, specs, keep_files=args.out_dir is not None, load=args.load)
+        title = f"Hybrid decode paths, XNNPACK, {tag_of(quantize)}"
+        title += f" (group {args.group_size})" if quantize else ""
+        text, roofline = format_outcome(outcome, setting, title, model_line)
+        print(text, flush=True)
+        texts.append(text)
+        problems += check_tokens(outcome, args.quantized_min_match)
+        outcomes.append((outcome, roofline))
+    if args.out_dir is None:
+        shutil.rmtree(bench.out_dir, ignore_errors=True)
+
+    wall_s = time.perf_counter() - _STARTED
+    import executorch
+    import transformers
+
+    entry = {
+        "family": bench.family, "layers": len(bench.layer_types), "layer_types": list(bench.layer_types),
+        "model": model_line, "config": hf_config(bench).to_dict(), "context": bench.shape.max_seq_len,
+        "prompts": sorted(bench.prompts), "decode_steps": bench.decode_steps, "rounds": bench.rounds,
+        "group_size": args.group_size, "rows": args.rows, "cpu": describe_cpu(), "threads": torch.get_num_threads(),
+        "versions": {"torch": torch.__version__, "executorch": getattr(executorch, "__version__", "?"),
+                     "transformers": transformers.__version__},
+        "state_bytes": state_figures, "wall_s": wall_s, "problems": problems,
+        "settings": {
+            tag_of(o.quantize): {
+                "roofline_tps": roofline, "one_at_a_time": o.one_at_a_time, "program_mb": o.program_mb,
+                "bandwidths_gbs": {str(n): [b / 1e9 for b in bw] for n, bw in o.bandwidths.items()},
+                "reference_tokens": {scheme: {str(n): tokens for n, tokens in per.items()}
+                                     for scheme, per in o.references.items()},
+                "rows": [row_record(o, r.key) for r in o.rows[min(o.rows)]],
+            } for o, roofline in outcomes
+        },
+        "tables": texts,
+    }
+    full = len(bench.layer_types) == len(FAMILIES[bench.family].layer_types)
+    save_results(args.out, bench.family if full else f"{bench.family} ({len(bench.layer_types)} layers)", entry)
+    print(f"\nresults: {args.out}; wall time {wall_s / 60:.1f} min")
+    if problems:
+        print("token check FAILED:\n  " + "\n  ".join(problems))
+        return 1
+    print("token check: every available row agrees with the eager model (fp32: all tokens; 8da4w: the first "
+          f"{args.quantized_min_match})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
