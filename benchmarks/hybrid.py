@@ -52,7 +52,8 @@ quantized the way the row quantizes (`build_reference_model`): rows b-e with Exe
 transformers model, its group scales then rounded to bf16 as XNNPACK stores them; row a with etblocks' own torchao
 config (bf16 scales chosen by HQQ, the integers rounded to them: other int4 values than ExecuTorch's). XNNPACK's
 dynamic int8 activations round differently from torchao's eager ones, so with random weights the greedy paths part
-after some tokens (5 to 33 of 33 at 2 layers), and an 8da4w row must agree on the first `--quantized-min-match`. The script exits 1 when a row disagrees (printing the row and the first differing
+after some tokens (3 to 33 of 33 at 2 layers), and an 8da4w row must agree on the first `--quantized-min-match`
+(default 1: the prefill's token). The script exits 1 when a row disagrees (printing the row and the first differing
 index) or fails; an unavailable row is reported, not an error.
 
 Also printed: fp32 state bytes per layer, against a full-attention K/V cache, at contexts 256, 2048 and 8192 (from the
@@ -65,10 +66,15 @@ config of the full-size model):
 ExecuTorch's LFM2 example keeps L_cache - 1).
 
 Results (tables, per-round figures, tokens, state table, CPU) go to `--out` (default benchmarks/results/hybrid.json,
-one entry per family and layer count, replaced by the next run of the same).
+one entry per family and layer count; a later run of the same replaces the quantization settings it measures).
 
-    python benchmarks/hybrid.py --family lfm2                                     # full 16-layer run
-    python benchmarks/hybrid.py --family qwen3_5 --layers 2 --rounds 2 --rows b,c  # smoke run
+    python benchmarks/hybrid.py --family lfm2                                     # full 16-layer run, ~45 min
+    python benchmarks/hybrid.py --family qwen3_5 --quantize none                  # full 24-layer fp32 half, ~1.5 h
+    python benchmarks/hybrid.py --family qwen3_5 --layers 2 --rounds 2 --rows b,c  # smoke run, 24 min
+    python benchmarks/hybrid.py --family lfm2 --layers 2 --rounds 2 --rows b,c     # smoke run, 9 min
+
+(times on this project's 2-core machine; the full-size ones are estimates scaled from the smoke runs: most of a run is
+exports and, for 8da4w, HQQ quantization of the 248k-row Qwen3.5 lm_head, once per export and reference.)
 """
 
 from __future__ import annotations
@@ -595,8 +601,9 @@ def export_example(bench: HybridBench, row: Row, filename: str, dynamic: bool | 
     row.pte_mb = pte_megabytes(path)
     shutil.rmtree(work / "hf", ignore_errors=True)  # the checkpoint copies are as large as the model
     (work / "checkpoint.pth").unlink(missing_ok=True)
-    notes = [f"{yaml.name}" + ("" if dynamic is None else f" + enable_dynamic_shape={dynamic}"),
-             f"convert_weights {convert_s:.0f} s not in export s"]
+    overridden = [f"qmode={bench.quantize}, group_size={bench.group_size}"] if bench.quantize else []
+    overridden += [] if dynamic is None else [f"enable_dynamic_shape={dynamic}"]
+    notes = [" + ".join([yaml.name, *overridden]), f"convert_weights {convert_s:.0f} s not in export s"]
     if not dynamic_shape:
         notes.append("static [1,1] shapes: prefill token by token")
     if not family.example_resets_state:
@@ -866,6 +873,13 @@ def format_outcome(outcome: Outcome, bench: HybridBench, title: str, model_line:
     lines.append(format_table(rows, roofline, outcome.reference_by_row(first), ref_key=ref_key, reference_label=label,
                               extra_headers=extra_headers))
     notes = [f"  ({r.key}) {r.note}" for r in rows if r.note and r.status == "ok"]
+    if outcome.quantize:
+        schemes = {"etblocks": "etblocks' torchao config", "example": "ExecuTorch's quantize(), scales rounded to bf16"}
+        by_scheme = {}
+        for row in rows:
+            by_scheme.setdefault(reference_scheme(row.key, outcome.quantize), []).append(f"({row.key})")
+        notes.append(f"  tokens={label}: the eager transformers model quantized as the row quantizes: "
+                     + "; ".join(f"{' '.join(keys)} {schemes[s]}" for s, keys in by_scheme.items()))
     if notes:
         lines.append("notes:\n" + "\n".join(notes))
     return "\n".join(lines), roofline
@@ -888,13 +902,19 @@ def row_record(outcome: Outcome, key: str) -> dict:
 
 
 def save_results(path: Path, entry_key: str, entry: dict) -> None:
-    """Replace this family's entry in the results file (other entries kept)."""
+    """Write this run's entry into the results file: other entries are kept, and so are the quantization settings
+    of an earlier run of the same entry that this run did not measure (`--quantize none`, then `--quantize 8da4w`,
+    fill one entry)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         results = json.loads(path.read_text())
     except (OSError, ValueError):
         results = {}
-    results.setdefault("runs", {})[entry_key] = entry
+    earlier = results.setdefault("runs", {}).get(entry_key) or {}
+    for field in ("settings", "tables"):
+        if isinstance(earlier.get(field), dict):
+            entry[field] = {**earlier[field], **entry[field]}
+    results["runs"][entry_key] = entry
     path.write_text(json.dumps(results, indent=1, default=str) + "\n")
 
 
@@ -972,7 +992,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\nState per layer, {FAMILIES[bench.family].label}, fp32, against a full-attention K/V cache "
           f"(from the config, module docstring)\n{table}\n", flush=True)
 
-    outcomes, texts, problems = [], [], []
+    outcomes, texts, problems = [], {}, []
     for quantize in args.quantize_modes:
         setting = dataclasses.replace(bench, quantize=quantize,
                                       out_dir=bench.out_dir / ("fp32" if quantize is None else "quantized"))
@@ -982,7 +1002,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         title += f" (group {args.group_size})" if quantize else ""
         text, roofline = format_outcome(outcome, setting, title, model_line)
         print(text, flush=True)
-        texts.append(text)
+        texts[tag_of(quantize)] = text
         problems += check_tokens(outcome, args.quantized_min_match)
         outcomes.append((outcome, roofline))
     if args.out_dir is None:
