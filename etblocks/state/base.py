@@ -88,8 +88,9 @@ class State(nn.Module):
 
 def zero_at_start(state: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
     """`state`, or zeros when the call starts a sequence (first position 0), so what an earlier sequence left is
-    never read. A select, not a branch: it exports for any position."""
-    return torch.where(input_pos[:1] > 0, state, 0)
+    never read. A product with a 0/1 flag, not a branch, so it exports for any position; not a `where`: XNNPACK
+    leaves that to the portable kernel, which is slow on a state as large as a DeltaNet's recurrent matrix."""
+    return state * (input_pos[:1] > 0).to(state.dtype)
 
 
 def find_states(module: nn.Module) -> list[State]:
