@@ -2,6 +2,8 @@
 torchao 0.18 moved to `torchao.quantization.quantize_.workflows.nf4.nf4_tensor`. Aliasing the old module name to
 the new module before the import is all torchtune needs (builders, generation, LoRA). Everything in etblocks and
 its tests that imports torchtune goes through `import_torchtune()`, so the shim lives in this one place.
+
+workaround(torchtune 0.6.1): the NF4 module alias (`_alias_nf4`).
 """
 
 from __future__ import annotations
@@ -43,4 +45,5 @@ def _alias_nf4() -> None:
     except ModuleNotFoundError as exc:
         if exc.name != OLD_NF4:
             raise
+        # workaround(torchtune 0.6.1): it imports NF4 from torchao's old module path (moved in torchao 0.18).
         sys.modules[OLD_NF4] = importlib.import_module(NEW_NF4)

@@ -93,7 +93,8 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         q_width = self.n_heads * self.head_dim
         kv_width = self.n_kv_heads * self.head_dim
-        # Slices, not split(): split on the last dim can freeze a dynamic sequence length in to_edge.
+        # workaround(executorch 1.5.1): slices, not split(): split on the last dim can freeze a dynamic sequence
+        # length in to_edge.
         return qkv[..., :q_width], qkv[..., q_width : q_width + kv_width], qkv[..., q_width + kv_width :]
 
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor, per_head: bool) -> tuple[torch.Tensor, torch.Tensor]:

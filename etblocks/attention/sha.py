@@ -247,7 +247,8 @@ class SingleHeadAttention(nn.Module):
             q = self.rotate_head(self.project_head(proj, x, self.q_norm), tables)
             args = (q, keys[h // groups], values[h // groups], mask)
             # No sink argument without sinks: `attend_head` overrides written for (q, k, v, mask) keep working.
-            # A `[1]` slice, not a 0-d `sinks[h]`: QNN's export passes break on the expanded 0-d constant.
+            # workaround(executorch 1.5.1): a `[1]` slice, not a 0-d `sinks[h]`: QNN's export passes break on the
+            # expanded 0-d constant.
             head = self.attend_head(*args) if self.sinks is None else self.attend_head(*args, self.sinks[h : h + 1])
             heads.append(head if self.gate_heads is None else head * torch.sigmoid(self.gate_heads[h](x)))
         y = self.o_proj(torch.cat(heads, dim=-1))

@@ -11,6 +11,7 @@ class CoreMl(Backend):
     install_hint = "pip install coremltools"
     runtime_name = "CoreMLBackend"
     recipe = {**STATIC_IO, "moe": "dense"}
+    # workaround(coremltools 9.0): int8 caller-owned caches refused; its converter fails on int8 cache tensors.
     limits = {INT8_IO_CACHE: "coremltools 9.0 fails on the int8 cache tensors (KeyError: torch.int8)"}
     quantization_hint = "Core ML programs are fp32 or fp16 (dtype=torch.float16)"
 

@@ -58,7 +58,10 @@ def rms_norm_as_primitives(exported: torch.export.ExportedProgram) -> int:
 def _constant(exported: torch.export.ExportedProgram, name: str, data: torch.Tensor, like: torch.fx.Node) -> torch.fx.Node:
     """A new lifted constant tensor placeholder named `name` holding `data`, its fake value made in the fake mode of
     `like`'s. (ExecuTorch's `create_constant_placeholder` takes the mode from the graph's first node, which fails
-    when that node is a torchao-quantized weight.)"""
+    when that node is a torchao-quantized weight.)
+
+    workaround(executorch 1.5.1): the placeholder is made here, not with `create_constant_placeholder`.
+    """
     from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
 
     graph = exported.graph_module.graph
@@ -91,8 +94,7 @@ def mean_over_last_dim_as_linear(exported: torch.export.ExportedProgram) -> int:
 
     XNNPACK delegates mean.dim only as 4-D global average pooling, which needs `x` viewed as an image and back: three
     operators, and a fourth for the eps, where one linear does it. At one token every delegated operator costs its
-    own reshape, setup and run on every call (~0.45 us for a small elementwise one here), and a Llama has two norms
-    per layer. Returns the number rewritten.
+    own reshape, setup and run on every call, and a Llama has two norms per layer. Returns the number rewritten.
     """
     graph = exported.graph_module.graph
     rewritten = 0
@@ -111,7 +113,7 @@ def mean_over_last_dim_as_linear(exported: torch.export.ExportedProgram) -> int:
         eps = None
         if len(users) == 1 and users[0].target == torch.ops.aten.add.Tensor and users[0].args[0] is node:
             eps = _scalar_constant(exported, users[0].args[1]) if len(users[0].args) == 2 and not users[0].kwargs else None
-        # One constant per norm: a constant that several delegates read fails to lower (ExecuTorch 1.5.1).
+        # workaround(executorch 1.5.1): one constant per norm; a constant that several delegates read fails to lower.
         weight = torch.full((1, size), 1.0 / size, dtype=value.dtype)
         args = (x, _constant(exported, f"_etblocks_mean_weight_{node.name}", weight, like=x))
         if eps is not None:
@@ -136,6 +138,8 @@ def dedupe_views(exported: torch.export.ExportedProgram) -> int:
 
     (Merging the dynamic quantization that q, k, v (and gate, up) each apply to the same activation saves more
     operators, but ExecuTorch 1.5.1's XNNPACK partitioner then splits every MLP into two delegates.)
+
+    workaround(executorch 1.5.1): the dynamic quantizations above are left unmerged, for that partitioner.
     """
     graph = exported.graph_module.graph
     views = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)

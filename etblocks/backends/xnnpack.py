@@ -14,6 +14,7 @@ class Xnnpack(Backend):
     recipe = {"sdpa": "custom", "cache_update": "custom", "delta_rule": "fused"}
     weight_schemes = WEIGHT_SCHEMES  # its dynamically quantized GEMMs
     embedding_schemes = EMBEDDING_SCHEMES  # looked up by quantized_decomposed::embedding_byte on CPU
+    # workaround(executorch 1.5.1): int8 caller-owned caches refused; its partitioner builds a cyclic partition.
     limits = {
         INT8_IO_CACHE: "ExecuTorch 1.5.1's XNNPACK partitioner proposes a partition with a dependency cycle around the "
         "cache quantization (the dynamic xnnpack program has in-place int8 caches)",

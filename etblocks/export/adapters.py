@@ -187,7 +187,9 @@ def set_adapter_program(module: nn.Module, table: AdapterTable, export) -> torch
         buffers = [getattr(layer, part) for layer in layers for part in SLOT_BUFFERS]  # read while tracing
         for buffer, tensor in zip(buffers, tensors):
             buffer.copy_(tensor)
-        return None  # returning an input would turn the copies into aliases the emitter drops
+        # workaround(executorch 1.5.1): return nothing; returning an input turns the copies into aliases its
+        # emitter drops.
+        return None
 
     module.forward = types.MethodType(set_slots, module)
     try:

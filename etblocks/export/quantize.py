@@ -75,7 +75,10 @@ def _share_ranges(prepared: dict[str, torch.fx.GraphModule]) -> None:
 def _own_extreme_constants(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """`QnnQuantizer` clamps constants beyond float16's range (an `-inf` mask buffer, say) in place, and
     `ExportedProgram.module()` shares its tensors with the program: give those constants (only) a copy so
-    the caller's program keeps its values."""
+    the caller's program keeps its values.
+
+    workaround(executorch 1.5.1): its `QnnQuantizer` writes into constants in place.
+    """
     limit = torch.finfo(torch.float16).max
     for node in module.graph.nodes:
         if node.op != "get_attr":
@@ -95,7 +98,10 @@ def _own_extreme_constants(module: torch.fx.GraphModule) -> torch.fx.GraphModule
 
 def _drop_unused_attributes(module: torch.fx.GraphModule) -> None:
     """`convert_pt2e` leaves the float weights it replaced with quantized copies on the module; exported,
-    they would be serialized next to the quantized ones."""
+    they would be serialized next to the quantized ones.
+
+    workaround(torchao 0.18.0): its `convert_pt2e` keeps the replaced float weights as attributes.
+    """
     used = {node.target for node in module.graph.nodes if node.op == "get_attr"}
     for name, _ in [*module.named_parameters(), *module.named_buffers()]:
         if name not in used:

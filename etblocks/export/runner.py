@@ -195,7 +195,9 @@ def run_method(method: Any, inputs: Sequence[Any]) -> list[Any]:
     the next call (measured by `benchmarks/quant.py`). The copy stays, since outputs live in memory the program
     reuses on its next call.
     """
-    outputs = method._method(inputs, clone_outputs=False)  # the switch Method.execute does not pass on
+    # workaround(executorch 1.5.1): `Method.execute` does not pass `clone_outputs` on, so the private `_method`
+    # is called directly.
+    outputs = method._method(inputs, clone_outputs=False)
     return [copy_tensor(out) if isinstance(out, torch.Tensor) else out for out in outputs]
 
 
@@ -212,8 +214,8 @@ def _bytes(tensor: torch.Tensor):
 
 
 def greedy_token(logits: torch.Tensor) -> int:
-    """Index of the largest logit (the first on ties), by numpy: over a 49k vocabulary torch.argmax took ~50 us
-    here, ~150 us between decode steps (3% of a 4-bit SmolLM2-135M step), numpy's ~5 us."""
+    """Index of the largest logit (the first on ties), by numpy: torch.argmax over a vocabulary of tens of
+    thousands is slower, most of all between decode steps."""
     return int(logits.detach().reshape(-1).float().numpy().argmax())  # .float() copies only non-fp32 logits
 
 
@@ -241,9 +243,9 @@ NUCLEUS_FIRST_K = 256
 
 def _nucleus(probs: numpy.ndarray, top_p: float) -> tuple[numpy.ndarray, numpy.ndarray]:
     """The nucleus's probabilities and token ids. Most nuclei end inside the k most likely tokens, found by a
-    partial sort (0.5 ms over 49k here); a larger one (flat logits) takes a sort of the probabilities' values
-    (1 ms), not of their indices: sorting token ids by probability took 4-5 ms here, as long as a 4-bit decode
-    step. The draw does not depend on the order they come in."""
+    partial sort; a larger one (flat logits) takes a sort of the probabilities' values, not of their indices
+    (sorting token ids by probability is several times slower; `benchmarks/sampling.py` times the sampler). The
+    draw does not depend on the order they come in."""
     k = min(NUCLEUS_FIRST_K, probs.size)
     top = numpy.sort(numpy.argpartition(probs, probs.size - k)[probs.size - k :])  # tied tokens in id order
     top = top[numpy.argsort(-probs[top], kind="stable")]

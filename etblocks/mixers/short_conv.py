@@ -56,7 +56,8 @@ class ShortConv(nn.Module):
     def forward(self, x: torch.Tensor, input_pos: torch.Tensor, position_embeddings=None) -> torch.Tensor:
         bch = self.in_proj(x)
         d = self.dim
-        # Slices, not chunk(): a split on the last dim can freeze a dynamic sequence length in to_edge.
+        # workaround(executorch 1.5.1): slices, not chunk(): a split on the last dim can freeze a dynamic sequence
+        # length in to_edge.
         b, c, h = bch[..., :d], bch[..., d : 2 * d], bch[..., 2 * d :]
         window = self.conv_state.update(input_pos, b * h)
         return self.out_proj(c * self.convolve(window))

@@ -155,7 +155,7 @@ class GatherExperts(Experts):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         n, k = indices.shape
         # One row per (token, slot), `m = N * k`, and a flat index: ExecuTorch's portable `index.Tensor` copies
-        # rows ~30x faster with a 1-D index than with `[N, k]`, and the gathered weights need no reshape.
+        # rows far faster with a 1-D index than with `[N, k]`, and the gathered weights need no reshape.
         flat = indices.reshape(-1)
         rows = x[:, None].expand(n, k, x.shape[-1]).reshape(n * k, x.shape[-1])
         gate = torch.einsum("md,mid->mi", rows, self.gate_proj[flat])

@@ -73,6 +73,8 @@ def _graph_copy(program: torch.export.ExportedProgram) -> torch.export.ExportedP
     `input_1`, which the graph signature would no longer match) and drops each node's `from_node`
     provenance: torch deep-copies that chain into every node a pass creates, which made the check several
     times slower on quantized graphs (long chains), and the throwaway copy never needs it.
+
+    workaround(torch 2.13.0): names restored and `from_node` dropped after `copy.deepcopy` of a graph module.
     """
     module = copy.deepcopy(program.graph_module)
     for original, node in zip(program.graph.nodes, module.graph.nodes):

@@ -36,8 +36,8 @@ def mixer_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-# transformers' experts kernels that export: `eager` loops over the experts a batch hit (data-dependent) and
-# `grouped_mm` does not lower.
+# transformers' experts kernels that export: `eager` loops over the experts a batch hit (data-dependent).
+# workaround(executorch 1.5.1): `grouped_mm` is left out because it does not lower.
 EXPORTABLE_EXPERTS = ("batched_mm",)
 
 
