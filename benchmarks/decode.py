@@ -1,305 +1,61 @@
-"""Compare LLM decode paths to ExecuTorch/XNNPACK on the SmolLM2-135M shape (fp32, random weights).
+"""Decode paths to ExecuTorch/XNNPACK on the SmolLM2-135M shape (fp32, random weights), side by side.
 
-One run prints one table: decode tok/s (greedy), prefill tok/s, export+lower seconds, .pte MB, each
-as a ratio to row (a), decode as % of the memory roofline, and how many greedy tokens agree with
-eager transformers. Rows:
+Rows: (a) etblocks (swap + export), (b) transformers' static-cache export (token-by-token prefill), (c) ExecuTorch's
+llama example (custom SDPA and KV cache), (d) transformers' ExecutorchExporter (prefill.pte + decode.pte), (e) eager
+PyTorch (not run by default). Each row is exported, then timed in a fresh process in `--rounds` interleaved rounds
+of one prefill of the prompt and `--decode-steps` greedy steps (`harness`): decode and prefill tok/s, export
+seconds, .pte MB, ratios to (a), decode as % of the memory roofline. Every row's greedy tokens must equal eager
+transformers' `generate()` on the same weights, or the script exits 1. Results: benchmarks/results/decode.json.
 
-  a  etblocks xnnpack                      (etblocks.swap + etblocks.export)
-  b  transformers static-cache export      (TorchExportableModuleForDecoderOnlyLM, token-by-token prefill)
-  c  ExecuTorch llama example              (construct_transformer + custom SDPA + custom KV cache)
-  d  transformers ExecutorchExporter       (export_for_generation: prefill + decode, KV cache as inputs)
-  e  eager PyTorch (reference, not run by default)
+    python benchmarks/decode.py            # 30 layers, rows a-d
+    python benchmarks/decode.py --smoke    # 1 layer, rows a and b, 1 round
 
-Every row is timed the same way: all rows are exported first, then loaded anew (`executorch.runtime.Runtime`) in
-a fresh process (`time_in_fresh_process` says why) and warmed up, then timed there in `--rounds` interleaved
-rounds (row a, b, c, ..., a, b, c, ...), each round one prefill of the prompt followed by `--decode-steps`
-greedy decode steps; each row reports the median and range of its rounds. Interleaving and medians keep the
-comparison fair on this shared host (other jobs run on the same two cores; read bandwidth swings 15-57 GB/s over
-seconds). The roofline bandwidth is sampled in every round too, and its median is used.
-
-    python benchmarks/decode.py                        # full 30-layer run of a,b,c,d
-    python benchmarks/decode.py --layers 2 --rows b,c  # smoke run
-
-To add a row, write a `(Bench, Row) -> Driver` function (export, fill in `row.export_s` and `row.pte_mb`, return
-a driver that pickles as its constructor call, a `RebuiltWhenPickled`) and add a `PathSpec` for it to `PATHS`;
-raise `Unavailable` when the path cannot run here.
+To add a row, write a `(Bench, Row) -> Driver` function (export, fill in `row.export_s` and `row.pte_mb`, return a
+`RebuiltWhenPickled` driver) and add a `PathSpec` to `PATHS`; raise `Unavailable` when it cannot run here.
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
-import multiprocessing
-import pickle
-import shutil
 import statistics
 import sys
-import tempfile
 import time
-import traceback
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from etblocks.export.runner import greedy_token, run_method
-from etblocks.ops import load_kernels
+from harness import (  # benchmarks/ is not a package: Python puts this script's folder first on sys.path
+    Bench,
+    Checks,
+    Driver,
+    PathSpec,
+    RebuiltWhenPickled,
+    Row,
+    argmax_last,
+    build_hf_model,
+    check_rows,
+    describe_run,
+    eager_reference_tokens,
+    export_hf_static,
+    export_llama_example,
+    export_with_etblocks,
+    finish,
+    format_table,
+    load_method,
+    make_bench,
+    paired_median,
+    parse_args,
+    pte_megabytes,
+    row_record,
+    run_method,
+    run_paths,
+    select_paths,
+    spread_record,
+)
 
-# --------------------------------------------------------------------------------------------------
-# Shape, settings and results
-
-
-@dataclass(frozen=True)
-class Shape:
-    """The model shape (SmolLM2-135M by default) and the context length."""
-
-    layers: int = 30
-    hidden: int = 576
-    heads: int = 9
-    kv_heads: int = 3
-    head_dim: int = 64
-    intermediate: int = 1536
-    vocab: int = 49152
-    max_seq_len: int = 256
-    norm_eps: float = 1e-5
-    rope_theta: float = 100000.0
-
-    def linear_shapes(self) -> list[tuple[int, int]]:
-        """(out, in) features of each linear in one decoder layer: q, k, v, o, gate, up, down."""
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return [(q, self.hidden), (kv, self.hidden), (kv, self.hidden), (self.hidden, q),
-                (self.intermediate, self.hidden), (self.intermediate, self.hidden), (self.hidden, self.intermediate)]
-
-    def weight_bytes_per_token(self, bytes_per_param: int = 4) -> int:
-        """Weight bytes one decoded token reads: every linear plus the lm_head (the tied embedding counts once,
-        as lm_head; the embedding row gather, norms and KV cache are left out)."""
-        linears = sum(out_features * in_features for out_features, in_features in self.linear_shapes())
-        return (linears * self.layers + self.vocab * self.hidden) * bytes_per_param
-
-
-@dataclass
-class Bench:
-    """Settings shared by every row."""
-
-    shape: Shape
-    prompt: list[int]
-    decode_steps: int
-    rounds: int
-    out_dir: Path
-    seed: int
-    init_range: float
-
-
-class Unavailable(Exception):
-    """A path that cannot run here (e.g. not implemented yet); the row shows the reason."""
-
-
-@dataclass
-class Row:
-    """One row of the table, filled in by its path function; `status` is "ok" or why it has no numbers."""
-
-    key: str
-    name: str
-    status: str = "ok"
-    export_s: float | None = None
-    pte_mb: float | None = None
-    decode_runs: list[float] = field(default_factory=list)  # tok/s, one per round
-    prefill_runs: list[float] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    note: str = ""
-    extras: dict[str, str] = field(default_factory=dict)  # more table cells, by column header (`format_table`)
-
-    @property
-    def decode_tps(self) -> float | None:
-        """Median decode tok/s over the rounds."""
-        return statistics.median(self.decode_runs) if self.decode_runs else None
-
-    @property
-    def prefill_tps(self) -> float | None:
-        """Median prefill tok/s over the rounds."""
-        return statistics.median(self.prefill_runs) if self.prefill_runs else None
-
-
-class Driver(Protocol):
-    """Runs a loaded model one greedy step at a time; both calls return the argmax next token. A driver whose
-    model cannot start a new sequence by itself (e.g. its KV cache appends at a write position it keeps) may also
-    define `reset()`, which `reset_driver` calls, untimed, before every prefill."""
-
-    def prefill(self, prompt: list[int]) -> int: ...
-
-    def decode(self, token: int, pos: int) -> int: ...
-
-
-def reset_driver(driver: Driver) -> None:
-    """Call the driver's optional `reset()` (see `Driver`)."""
-    reset = getattr(driver, "reset", None)
-    if reset is not None:
-        reset()
-
-
-# --------------------------------------------------------------------------------------------------
-# Shared helpers
-
-
-def llama_config(bench: Bench, rope_parameters: dict[str, Any] | None = None, max_positions: int = 8192) -> Any:
-    """A transformers LlamaConfig with the benchmark shape; rope: default with the shape's theta unless given."""
-    from transformers import LlamaConfig
-
-    s = bench.shape
-    return LlamaConfig(
-        num_hidden_layers=s.layers,
-        hidden_size=s.hidden,
-        num_attention_heads=s.heads,
-        num_key_value_heads=s.kv_heads,
-        head_dim=s.head_dim,
-        intermediate_size=s.intermediate,
-        vocab_size=s.vocab,
-        tie_word_embeddings=True,
-        rms_norm_eps=s.norm_eps,
-        rope_parameters=rope_parameters or {"rope_type": "default", "rope_theta": s.rope_theta},
-        max_position_embeddings=max_positions,
-        initializer_range=bench.init_range,
-        pad_token_id=0,
-    )
-
-
-def build_hf_model(bench: Bench) -> torch.nn.Module:
-    """A transformers LlamaForCausalLM with the benchmark shape and seeded random weights (fp32, eval)."""
-    from transformers import LlamaForCausalLM
-
-    config = llama_config(bench)
-    torch.manual_seed(bench.seed)
-    return LlamaForCausalLM(config).to(torch.float32).eval()
-
-
-def pte_megabytes(*paths: Path) -> float:
-    """Total size of the given files in MB (1e6 bytes)."""
-    return sum(Path(p).stat().st_size for p in paths) / 1e6
-
-
-def argmax_last(logits: torch.Tensor) -> int:
-    """Greedy token from logits shaped [..., vocab] (the last position if there are several), as etblocks' Runner
-    picks it (numpy's argmax: torch's costs ~3% of a 4-bit decode step at this shape)."""
-    return greedy_token(logits.reshape(-1, logits.shape[-1])[-1])
-
-
-def load_method(path: Path, name: str = "forward", **program_options: Any) -> Any:
-    """Load one method of a .pte with the Python ExecuTorch runtime (with the kernels etblocks' Runner registers).
-    The method keeps a reference to its program: a method whose program was freed fails intermittently at run
-    time. `program_options` go to `Runtime.load_program` (e.g. `enable_etdump=True`)."""
-    from executorch.runtime import Runtime
-
-    load_kernels()
-    program = Runtime.get().load_program(Path(path), **program_options)
-    method = program.load_method(name)
-    method.etblocks_program = program
-    return method
-
-
-def lower_to_xnnpack(exported: Any, path: Path, inspect: Callable[[Any], Any] | None = None,
-                     **to_executorch_kwargs: Any) -> Any:
-    """Lower an ExportedProgram to XNNPACK and write the .pte. `inspect`, when given, is called with the lowered
-    EdgeProgramManager before `to_executorch` (which rewrites its graphs in place), and its result is returned
-    (e.g. `lambda edge: summarize(edge.exported_program().graph_module)`)."""
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from executorch.exir import to_edge_transform_and_lower
-
-    edge = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])
-    inspected = inspect(edge) if inspect is not None else None
-    program = edge.to_executorch(**to_executorch_kwargs)
-    with open(path, "wb") as f:
-        program.write_to_file(f)
-    return inspected
-
-
-def lower_llm_manager(manager: Any, partitioners: list[Any], path: Path, passes: list[Any] | None = None,
-                      inspect: Callable[[Any], Any] | None = None) -> Any:
-    """Take an ExecuTorch `LLMEdgeManager` through the steps export_llama_lib runs for XNNPACK: strict export,
-    canonical optimizations, `to_edge_transform_and_lower(partitioners)`, `to_executorch(passes)`; write the .pte.
-    `inspect` as in `lower_to_xnnpack`, called with the lowered EdgeProgramManager; its result is returned."""
-    manager.export()
-    manager.run_canonical_optimizations()
-    manager.to_edge_transform_and_lower(partitioners)
-    inspected = inspect(manager.edge_manager) if inspect is not None else None
-    manager.to_executorch(passes=passes)
-    with open(path, "wb") as f:
-        manager.export_program.write_to_file(f)
-    return inspected
-
-
-def warm_up(driver: Driver, bench: Bench) -> None:
-    """One untimed prefill and two decode steps."""
-    reset_driver(driver)
-    token = driver.prefill(bench.prompt)
-    for i in range(2):
-        token = driver.decode(token, len(bench.prompt) + i)
-
-
-def time_round(driver: Driver, bench: Bench, warm_prefill: bool = False) -> tuple[float, float, list[int]]:
-    """One timed prefill of the prompt, then `bench.decode_steps` timed greedy decode steps. Returns (prefill
-    tok/s, decode tok/s, tokens): the prefill's next token and one per decode step. `warm_prefill` runs one untimed
-    prefill first: on this host the first ExecuTorch prefill after other work (the bandwidth sample, another
-    program, even a 1 s sleep) measured 1.2-1.5x slower at 30 layers, which otherwise lands on the round's first row."""
-    n = len(bench.prompt)
-    if warm_prefill:
-        reset_driver(driver)
-        driver.prefill(bench.prompt)
-    reset_driver(driver)
-    start = time.perf_counter()
-    tokens = [driver.prefill(bench.prompt)]
-    prefill_tps = n / (time.perf_counter() - start)
-    start = time.perf_counter()
-    for i in range(bench.decode_steps):
-        tokens.append(driver.decode(tokens[-1], n + i))
-    return prefill_tps, bench.decode_steps / (time.perf_counter() - start), tokens
-
-
-# --------------------------------------------------------------------------------------------------
-# Drivers
-
-
-class RebuiltWhenPickled:
-    """Base of the drivers that pickle as their constructor call (the files to load, or a seeded model builder),
-    so that `time_in_fresh_process` builds them anew in its own process instead of copying loaded programs."""
-
-    def __new__(cls, *args: Any, **kwargs: Any):
-        driver = super().__new__(cls)
-        driver._construction = (args, kwargs)
-        return driver
-
-    def __reduce__(self):
-        args, kwargs = self._construction
-        return _construct, (type(self), args, kwargs)
-
-
-def _construct(cls: type, args: tuple, kwargs: dict) -> Any:
-    return cls(*args, **kwargs)
-
-
-class TokensPosDriver(RebuiltWhenPickled):
-    """A program with `forward(tokens int64 [1,T], input_pos int64 [1]) -> logits` and its KV cache as
-    mutable buffers; prefill is one call when T is dynamic, else token by token (`token_by_token`)."""
-
-    def __init__(self, path: Path, token_by_token: bool = False, **program_options: Any):
-        self.method = load_method(path, **program_options)
-        self.token_by_token = token_by_token
-
-    def _step(self, tokens: list[int], pos: int) -> int:
-        ids = torch.tensor([tokens], dtype=torch.long)
-        (logits,) = run_method(self.method, [ids, torch.tensor([pos], dtype=torch.long)])
-        return argmax_last(logits)
-
-    def prefill(self, prompt: list[int]) -> int:
-        if not self.token_by_token:
-            return self._step(prompt, 0)
-        for pos, token in enumerate(prompt):
-            next_token = self._step([token], pos)
-        return next_token
-
-    def decode(self, token: int, pos: int) -> int:
-        return self._step([token], pos)
+SMOKE = {"layers": 1, "rows": "a,b", "rounds": 1, "decode_steps": 4, "prompt_len": 8, "max_seq_len": 32}
 
 
 class GenerationExportDriver(RebuiltWhenPickled):
@@ -355,112 +111,15 @@ class EagerDriver(RebuiltWhenPickled):
 # Paths: one function per row, `(bench, row) -> Driver`: export, fill in export_s and pte_mb, load
 
 
-def export_with_etblocks(bench: Bench, row: Row, build_model: Callable[[Bench], torch.nn.Module],
-                         filename: str, swap_options: Mapping[str, Any] | None = None,
-                         export_options: Mapping[str, Any] | None = None) -> tuple[Driver, Any]:
-    """Build a model, swap its blocks for XNNPACK, export `forward(tokens, input_pos)` to `bench.out_dir /
-    filename` (timed: swap + export + lowering) and load it; returns the driver and etblocks' ExportResult.
-    `swap_options` / `export_options`: more keyword arguments of `etblocks.swap` / `etblocks.export`."""
-    try:
-        from etblocks import export, swap
-    except ImportError as e:
-        raise Unavailable(str(e)) from e
-    model = build_model(bench)
-    path = bench.out_dir / filename
-    start = time.perf_counter()
-    with torch.no_grad():
-        model = swap(model, backend="xnnpack", max_seq_len=bench.shape.max_seq_len, **(swap_options or {})) or model
-        result = export(model, backend="xnnpack", out=path, max_seq_len=bench.shape.max_seq_len,
-                        **(export_options or {}))
-    row.export_s = time.perf_counter() - start
-    del model
-    gc.collect()
-    row.pte_mb = pte_megabytes(result.path)
-    return TokensPosDriver(Path(result.path)), result
-
-
 def path_etblocks(bench: Bench, row: Row) -> Driver:
     """(a) etblocks: swap the transformers model's blocks, export to XNNPACK, `forward(tokens, input_pos)`."""
     driver, _ = export_with_etblocks(bench, row, build_hf_model, "a_etblocks.pte")
     return driver
 
 
-def path_hf_static(bench: Bench, row: Row, build_model: Callable[[Bench], torch.nn.Module] = build_hf_model) -> Driver:
-    """(b) transformers `TorchExportableModuleForDecoderOnlyLM` (StaticCache buffers, strict export, static
-    shapes [1,1]) lowered to XNNPACK; prefill feeds the prompt one token at a time. `build_model`: another
-    script's transformers model."""
-    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
-
-    row.note = "prefill token by token (static [1,1] shapes)"
-    model = build_model(bench)
-    model.generation_config.cache_implementation = "static"
-    path = bench.out_dir / "b_hf_static.pte"
-    start = time.perf_counter()
-    wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=bench.shape.max_seq_len)
-    with torch.no_grad():
-        exported = wrapper.export(
-            input_ids=torch.tensor([[1]], dtype=torch.long),
-            cache_position=torch.tensor([0], dtype=torch.long),
-            strict=True,
-        )
-        lower_to_xnnpack(exported, path)
-    row.export_s = time.perf_counter() - start
-    del model, wrapper, exported
-    gc.collect()
-    row.pte_mb = pte_megabytes(path)
-    return TokensPosDriver(path, token_by_token=True)
-
-
-def llama_example_model(bench: Bench) -> torch.nn.Module:
-    """ExecuTorch's llama `Transformer` with the benchmark shape, holding the same weights as `build_hf_model`
-    (HF rope layout, so q/k rows need no permutation)."""
-    from executorch.examples.models.llama.llama_transformer import construct_transformer
-    from executorch.examples.models.llama.model_args import ModelArgs
-
-    s = bench.shape
-    args = ModelArgs(
-        dim=s.hidden,
-        n_layers=s.layers,
-        n_heads=s.heads,
-        n_kv_heads=s.kv_heads,
-        head_dim=s.head_dim,
-        hidden_dim=s.intermediate,
-        vocab_size=s.vocab,
-        norm_eps=s.norm_eps,
-        rope_theta=s.rope_theta,
-        use_hf_rope=True,
-        max_batch_size=1,
-        max_seq_len=s.max_seq_len,
-        max_context_len=s.max_seq_len,
-        use_kv_cache=True,
-        enable_dynamic_shape=True,
-        generate_full_logits=False,
-    )
-    model = construct_transformer(args).eval()
-    hf = build_hf_model(bench).state_dict()
-    state = {
-        "tok_embeddings.weight": hf["model.embed_tokens.weight"],
-        "norm.weight": hf["model.norm.weight"],
-        "output.weight": hf["lm_head.weight"],
-    }
-    names = {
-        "attention.wq": "self_attn.q_proj",
-        "attention.wk": "self_attn.k_proj",
-        "attention.wv": "self_attn.v_proj",
-        "attention.wo": "self_attn.o_proj",
-        "feed_forward.w1": "mlp.gate_proj",
-        "feed_forward.w2": "mlp.down_proj",
-        "feed_forward.w3": "mlp.up_proj",
-        "attention_norm": "input_layernorm",
-        "ffn_norm": "post_attention_layernorm",
-    }
-    for i in range(s.layers):
-        for et_name, hf_name in names.items():
-            state[f"layers.{i}.{et_name}.weight"] = hf[f"model.layers.{i}.{hf_name}.weight"]
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or any("kv_cache" not in k for k in missing):
-        raise RuntimeError(f"weight mapping mismatch: missing {missing}, unexpected {unexpected}")
-    return model
+def path_hf_static(bench: Bench, row: Row) -> Driver:
+    """(b) transformers `TorchExportableModuleForDecoderOnlyLM` lowered to XNNPACK (`harness.export_hf_static`)."""
+    return export_hf_static(bench, row)
 
 
 def path_llama_example(bench: Bench, row: Row) -> Driver:
@@ -469,50 +128,6 @@ def path_llama_example(bench: Bench, row: Row) -> Driver:
     RemoveRedundantTransposes, lowering, and ExecutorchBackendConfig(alloc_graph_input=False,
     ConstraintBasedSymShapeEvalPass), all through its LLMEdgeManager."""
     return export_llama_example(bench, row, "c_llama_example.pte")
-
-
-def export_llama_example(bench: Bench, row: Row, filename: str, quantize: str | None = None,
-                         group_size: int | None = None) -> Driver:
-    """`path_llama_example`'s export to `bench.out_dir / filename`; `quantize` (e.g. "8da4w") adds ExecuTorch's
-    weight quantization first, as export_llama_lib's `-qmode` / `--group_size` do (its `quantize()`, HQQ scales)."""
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from executorch.examples.models.llama.source_transformation.custom_kv_cache import (
-        replace_kv_cache_with_custom_kv_cache,
-    )
-    from executorch.examples.models.llama.source_transformation.quantize import get_quant_weight_transform
-    from executorch.examples.models.llama.source_transformation.sdpa import replace_sdpa_with_custom_op
-    from executorch.extension.llm.export.builder import DType, LLMEdgeManager
-
-    s = bench.shape
-    model = llama_example_model(bench)
-    path = bench.out_dir / filename
-    start = time.perf_counter()
-    manager = LLMEdgeManager(
-        model=model,
-        modelname="llama",
-        max_seq_len=s.max_seq_len,
-        dtype=DType.fp32,
-        use_kv_cache=True,
-        example_inputs=(torch.tensor([[2, 3, 4]]), {"input_pos": torch.tensor([0])}),
-        enable_dynamic_shape=True,  # tokens [1, T], T in [1, max_seq_len - 1]
-        metadata={
-            "get_max_context_len": s.max_seq_len,
-            "get_n_layers": s.layers,
-            "get_vocab_size": s.vocab,
-            "use_kv_cache": True,
-            "use_sdpa_with_kv_cache": True,
-            "enable_dynamic_shape": True,
-        },
-    )
-    # Same order as export_llama_lib._get_source_transforms: weights, then SDPA, then the KV cache.
-    weights = [get_quant_weight_transform(quantize, group_size, DType.fp32)] if quantize else []
-    manager.source_transform([*weights, replace_sdpa_with_custom_op, replace_kv_cache_with_custom_kv_cache])
-    lower_llm_manager(manager, [XnnpackPartitioner()], path)
-    row.export_s = time.perf_counter() - start
-    del model, manager
-    gc.collect()
-    row.pte_mb = pte_megabytes(path)
-    return TokensPosDriver(path)
 
 
 def path_hf_exporter(bench: Bench, row: Row) -> Driver:
@@ -553,16 +168,6 @@ def path_eager(bench: Bench, row: Row) -> Driver:
     return EagerDriver(build_hf_model, bench)
 
 
-@dataclass(frozen=True)
-class PathSpec:
-    """A row: its key on the command line, its label, and the function that exports and loads it."""
-
-    key: str
-    name: str
-    fn: Callable[[Bench, Row], Driver]
-    default: bool = True
-
-
 PATHS: list[PathSpec] = [
     PathSpec("a", "etblocks xnnpack", path_etblocks),
     PathSpec("b", "transformers static-cache export", path_hf_static),
@@ -570,118 +175,6 @@ PATHS: list[PathSpec] = [
     PathSpec("d", "transformers ExecutorchExporter", path_hf_exporter),
     PathSpec("e", "eager PyTorch (reference)", path_eager, default=False),
 ]
-
-
-# --------------------------------------------------------------------------------------------------
-# Roofline, reference tokens, report
-
-
-def measure_read_bandwidth(gigabytes: float = 1.0, reps: int = 5) -> float:
-    """Read bandwidth in bytes/s: the best of `torch.sum` over a random fp32 array, `reps` times with all torch
-    threads and `reps` times with one (on this host one thread is often as fast). Random data: a constant-filled array
-    once read at 47 GB/s here, far above anything else measured."""
-    x = torch.rand(int(gigabytes * 1e9) // 4)
-    threads, best = torch.get_num_threads(), float("inf")
-    try:
-        for num_threads in (threads, 1):
-            torch.set_num_threads(num_threads)
-            for _ in range(reps):
-                start = time.perf_counter()
-                x.sum()
-                best = min(best, time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(threads)
-    return x.numel() * 4 / best
-
-
-@torch.no_grad()
-def eager_reference_tokens(bench: Bench, build_model: Callable[[Bench], torch.nn.Module] = build_hf_model) -> list[int]:
-    """Greedy tokens of the eager transformers model (`build_model`'s): the prefill's token and one per decode
-    step."""
-    model = build_model(bench)
-    ids = torch.tensor([bench.prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=bench.decode_steps + 1,
-                         do_sample=False)
-    return out[0, len(bench.prompt):].tolist()
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _spread(runs: list[float], spec: str) -> str:
-    """Median and [min-max] of per-round figures."""
-    if not runs:
-        return "-"
-    return f"{format(statistics.median(runs), spec)} [{format(min(runs), spec)}-{format(max(runs), spec)}]"
-
-
-def _ratio(value: float | None, ref: float | None) -> str:
-    return "-" if value is None or not ref else f"{value / ref:.2f}x"
-
-
-def _matching_prefix(tokens: Sequence[int], reference: Sequence[int]) -> int:
-    n = 0
-    for a, b in zip(tokens, reference):
-        if a != b:
-            break
-        n += 1
-    return n
-
-
-def format_table(rows: list[Row], roofline_tps: float | Mapping[str, float],
-                 reference: list[int] | Mapping[str, list[int]], ref_key: str = "a", reference_label: str = "eager",
-                 extra_headers: Sequence[str] = ()) -> str:
-    """The results as one aligned text table; `roofline_tps` is one for all rows or one per row key (rows that
-    read different bytes per token), `extra_headers` adds columns (before the tokens) filled from each row's
-    `extras`, and `reference_label` names what the tokens are compared with (`reference`: one token list for all
-    rows or one per row key)."""
-    ref = next((r for r in rows if r.key == ref_key and r.status == "ok"), None)
-    headers = ["row", "decode tok/s", "prefill tok/s", "export+lower s", ".pte MB", f"decode/({ref_key})",
-               f"prefill/({ref_key})", f"export/({ref_key})", f"pte/({ref_key})", "decode %roof", *extra_headers,
-               f"tokens={reference_label}"]
-    lines = []
-    for r in rows:
-        label = f"({r.key}) {r.name}"
-        roofline = roofline_tps[r.key] if isinstance(roofline_tps, Mapping) else roofline_tps
-        tokens = reference[r.key] if isinstance(reference, Mapping) else reference
-        if r.status != "ok":
-            lines.append([label, r.status])
-            continue
-        lines.append([
-            label, _spread(r.decode_runs, ".1f"), _spread(r.prefill_runs, ".0f"), _fmt(r.export_s, ".0f"),
-            _fmt(r.pte_mb, ".0f"),
-            _ratio(r.decode_tps, ref and ref.decode_tps), _ratio(r.prefill_tps, ref and ref.prefill_tps),
-            _ratio(r.export_s, ref and ref.export_s), _ratio(r.pte_mb, ref and ref.pte_mb),
-            _fmt(100 * r.decode_tps / roofline if r.decode_tps else None, ".0f") + "%",
-            *(r.extras.get(header, "-") for header in extra_headers),
-            f"{_matching_prefix(r.tokens, tokens)}/{len(tokens)}",
-        ])
-    return aligned_table(headers, lines)
-
-
-def aligned_table(headers: Sequence[str], lines: Sequence[Sequence[str]]) -> str:
-    """Lines of cells under their headers, the first column left-aligned and the others right-aligned; in a table
-    of more than two columns, a line of two cells (label, status) is a row without figures, its status written out
-    in full."""
-    status_lines = len(headers) > 2
-    widths = [max([len(headers[i]), *(len(l[i]) for l in lines if len(l) > 2 or not status_lines)])
-              for i in range(len(headers))]
-    out = ["  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(headers, widths)))]
-    out.append("  ".join("-" * w for w in widths))
-    for l in lines:
-        if len(l) == 2 and status_lines:
-            out.append(f"{l[0].ljust(widths[0])}  {l[1]}")
-        else:
-            out.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(l, widths))))
-    return "\n".join(out)
-
-
-def _paired_median(numerators: list[float], denominators: list[float]) -> float | None:
-    """Median of per-round ratios: rows of one round run back to back, so they share the host's load."""
-    if not numerators or len(numerators) != len(denominators):
-        return None
-    return statistics.median(n / d for n, d in zip(numerators, denominators))
 
 
 def format_targets(rows: list[Row], rooflines: list[float]) -> str:
@@ -695,12 +188,12 @@ def format_targets(rows: list[Row], rooflines: list[float]) -> str:
             return f"  n/a   {label} (needs the rows it compares)"
         return f"  {'PASS' if value >= goal else 'FAIL'}  {label}: {value:.2f}{unit} (goal >= {goal}{unit})"
 
-    roofline_share = _paired_median(a.decode_runs, rooflines) if a else None
+    roofline_share = paired_median(a.decode_runs, rooflines) if a else None
     return "\n".join([
         "targets (median of per-round ratios):",
-        check("(a) decode / (c) decode", _paired_median(a.decode_runs, c.decode_runs) if a and c else None, 1.0, "x"),
+        check("(a) decode / (c) decode", paired_median(a.decode_runs, c.decode_runs) if a and c else None, 1.0, "x"),
         check("(a) decode % roofline", 100 * roofline_share if roofline_share else None, 80, "%"),
-        check("(a) prefill / (b) prefill", _paired_median(a.prefill_runs, b.prefill_runs) if a and b else None, 20,
+        check("(a) prefill / (b) prefill", paired_median(a.prefill_runs, b.prefill_runs) if a and b else None, 20,
               "x"),
     ])
 
@@ -709,199 +202,9 @@ def format_targets(rows: list[Row], rooflines: list[float]) -> str:
 # Main
 
 
-def argument_parser(paths: Sequence[PathSpec] = PATHS, description: str | None = __doc__) -> argparse.ArgumentParser:
-    """The benchmark's options; `paths` and `description` let another script over other rows share them (and add
-    its own options to the parser)."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", default=",".join(p.key for p in paths if p.default),
-                        help="comma-separated row keys: " + ", ".join(f"{p.key}={p.name}" for p in paths))
-    parser.add_argument("--layers", type=int, default=30, help="decoder layers (2 for a quick smoke run)")
-    parser.add_argument("--decode-steps", type=int, default=32, help="timed greedy decode steps")
-    parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (prefill)")
-    parser.add_argument("--max-seq-len", type=int, default=256, help="context / KV cache length")
-    parser.add_argument("--rounds", type=int, default=7,
-                        help="interleaved timed rounds of prefill + decode per row; medians are reported")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--init-range", type=float, default=0.1,
-                        help="weight init std; 0.02 (the default of transformers) makes greedy repeat one token")
-    parser.add_argument("--out-dir", type=Path, default=None,
-                        help="where the .pte files go (kept); default: a temp dir, deleted at the end")
-    return parser
-
-
-def parse_args(argv: Sequence[str] | None = None, paths: Sequence[PathSpec] = PATHS,
-               description: str | None = __doc__) -> argparse.Namespace:
-    """The benchmark's options parsed (see `argument_parser`)."""
-    return argument_parser(paths, description).parse_args(argv)
-
-
-def prepare_path(spec: PathSpec, bench: Bench) -> tuple[Row, Driver | None]:
-    """Export and load one path; a failure or an unavailable path becomes the row's status."""
-    print(f"[decode bench] ({spec.key}) {spec.name}: export ...", file=sys.stderr, flush=True)
-    row = Row(spec.key, spec.name)
-    start = time.perf_counter()
-    driver = None
-    try:
-        driver = spec.fn(bench, row)
-        warm_up(driver, bench)
-    except Unavailable as e:
-        row.status = f"unavailable: {e}"
-    except Exception as e:  # one broken path must not hide the others
-        traceback.print_exc()
-        row.status = f"failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
-        driver = None
-    gc.collect()
-    print(f"[decode bench] ({spec.key}) ready in {time.perf_counter() - start:.0f} s: {row.status}", file=sys.stderr,
-          flush=True)
-    return row, driver
-
-
-def time_rows(prepared: list[tuple[Row, Driver | None]], bench: Bench, warm_prefill: bool = False) -> list[float]:
-    """Time the loaded rows in interleaved rounds, appending to each row's runs; returns the read bandwidth
-    samples (bytes/s), one per round. `warm_prefill` as in `time_round`."""
-    bandwidths = []
-    for round_index in range(bench.rounds):
-        for row, driver in prepared:
-            if driver is None or row.status != "ok":
-                continue
-            try:
-                prefill_tps, decode_tps, tokens = time_round(driver, bench, warm_prefill)
-            except Exception as e:
-                traceback.print_exc()
-                row.status = f"failed while timing: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
-                continue
-            if row.tokens and tokens != row.tokens:
-                row.status = f"failed: greedy tokens differ between rounds ({row.tokens} vs {tokens})"
-                continue
-            row.tokens = tokens
-            row.prefill_runs.append(prefill_tps)
-            row.decode_runs.append(decode_tps)
-            print(f"[decode bench] round {round_index + 1}/{bench.rounds} ({row.key}): decode {decode_tps:.2f} tok/s,"
-                  f" prefill {prefill_tps:.1f} tok/s", file=sys.stderr, flush=True)
-        bandwidths.append(measure_read_bandwidth(reps=2))
-        print(f"[decode bench] round {round_index + 1}/{bench.rounds}: read bandwidth {bandwidths[-1] / 1e9:.1f} GB/s",
-              file=sys.stderr, flush=True)
-    return bandwidths
-
-
-def select_paths(rows: str, paths: Sequence[PathSpec]) -> list[PathSpec]:
-    """The paths named by `--rows` (comma-separated keys), in that order; exits on an unknown key."""
-    keys = [k.strip() for k in rows.split(",") if k.strip()]
-    specs = {p.key: p for p in paths}
-    unknown = [k for k in keys if k not in specs]
-    if unknown:
-        raise SystemExit(f"unknown rows {unknown}; known: {list(specs)}")
-    return [specs[key] for key in keys]
-
-
-def make_bench(args: argparse.Namespace) -> Bench:
-    """Settings from the parsed options: the shape, the seeded prompt, the output directory (created; a temp
-    dir unless `--out-dir`)."""
-    out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="etblocks_decode_bench_"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    shape = Shape(layers=args.layers, max_seq_len=args.max_seq_len)
-    prompt = torch.randint(1, shape.vocab, (args.prompt_len,), generator=torch.Generator().manual_seed(args.seed))
-    return Bench(shape, prompt.tolist(), args.decode_steps, args.rounds, out_dir, args.seed, args.init_range)
-
-
-def time_in_fresh_process(prepared: list[tuple[Row, Driver | None]], bench: Bench,
-                          warm_prefill: bool = False) -> tuple[list[Row], list[float]]:
-    """`time_rows` in a new Python process that loads every program anew from its files (`RebuiltWhenPickled`), as
-    a device's runtime does. A program loaded into this process after exports (gigabytes of graphs allocated and
-    freed) decoded up to 1.5x slower here than the same .pte loaded in a fresh process (30-layer 8da4w: 7.0
-    against 4.8 ms a step), the more so the more exports came before it, which skewed the rows of one run
-    against each other. This process's drivers are released first; returns the timed rows and the bandwidths."""
-    payload = [(row, pickle.dumps(driver) if driver is not None else None) for row, driver in prepared]
-    prepared.clear()
-    gc.collect()
-    return in_fresh_process(_time_loaded, payload, bench, warm_prefill)
-
-
-def in_fresh_process(function: Callable[..., Any], *args: Any) -> Any:
-    """`function(*args)` in a newly spawned Python process (function, arguments and result pickled)."""
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(function, args)
-
-
-def _time_loaded(payload: list[tuple[Row, bytes | None]], bench: Bench,
-                 warm_prefill: bool) -> tuple[list[Row], list[float]]:
-    """The fresh process's side of `time_in_fresh_process`: load, warm up, time."""
-    prepared = [(row, pickle.loads(driver) if driver is not None else None) for row, driver in payload]
-    for _, driver in prepared:
-        if driver is not None:
-            warm_up(driver, bench)
-    return [row for row, _ in prepared], time_rows(prepared, bench, warm_prefill)
-
-
-def run_paths(specs: Sequence[PathSpec], bench: Bench, keep_files: bool,
-              warm_prefill: bool = False) -> tuple[list[Row], list[float]]:
-    """Export and load every path, then time them in interleaved rounds in a fresh process
-    (`time_in_fresh_process`; `warm_prefill` as in `time_round`); returns the rows and the read bandwidth
-    samples. The output directory is deleted at the end unless `keep_files`."""
-    try:
-        return time_in_fresh_process([prepare_path(spec, bench) for spec in specs], bench, warm_prefill)
-    finally:
-        if not keep_files:
-            shutil.rmtree(bench.out_dir, ignore_errors=True)
-
-
-# The vector extensions XNNPACK picks its int8 / int4 GEMM kernels by, as /proc/cpuinfo names them.
-KERNEL_FLAGS = {"flags": ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8"), "Features": ("asimddp", "i8mm", "sve")}
-
-
-def describe_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    """The CPU and which of `KERNEL_FLAGS` it has. Quantized decode figures depend on it more than on anything
-    else about the host: the same 8da4w linears ran 3.5x slower on an AVX2-only EPYC of this project's machine
-    kind than on the hosts of earlier runs (`step_breakdown.py`)."""
-    import platform
-
-    try:
-        lines = cpuinfo.read_text().splitlines()
-    except OSError:
-        return f"CPU: {platform.machine()} (no {cpuinfo})"
-    fields: dict[str, str] = {}
-    for line in lines:
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-    name = fields.get("model name", platform.machine())
-    if "cpu family" in fields:
-        name += f" (family {fields['cpu family']}, model {fields.get('model', '?')})"
-    for key, wanted in KERNEL_FLAGS.items():
-        if key in fields:
-            have = set(fields[key].split())
-            return f"CPU: {name}; " + ", ".join(f"{flag} {'yes' if flag in have else 'no'}" for flag in wanted)
-    return f"CPU: {name}"
-
-
-def describe_run(title: str, bench: Bench, bandwidths: list[float], model: str | None = None,
-                 weight_bytes: float | None = None) -> str:
-    """The lines above the table: shape, weights, settings, threads and the roofline. Another script's model
-    replaces the SmolLM2 shape: `model` describes it, `weight_bytes` is what one token reads of its fp32 linears."""
-    from executorch.extension.pybindings.portable_lib import _threadpool_get_thread_count
-
-    s = bench.shape
-    gb = [b / 1e9 for b in bandwidths]
-    weight_bytes = s.weight_bytes_per_token() if weight_bytes is None else weight_bytes
-    roofline_tps = statistics.median(bandwidths) / weight_bytes
-    threads = torch.get_num_threads()
-    model = model or (
-        f"SmolLM2-135M shape: {s.layers} layers, hidden {s.hidden}, {s.heads}/{s.kv_heads} heads (head_dim "
-        f"{s.head_dim}), intermediate {s.intermediate}, vocab {s.vocab}, tied embedding, fp32, random weights (seed "
-        f"{bench.seed}, init std {bench.init_range})")
-    return "\n".join([
-        f"\n{title}, {model}",
-        f"context {s.max_seq_len}, prompt {len(bench.prompt)} tokens (prefill), {bench.decode_steps} greedy decode "
-        f"steps; figures are medians of {bench.rounds} interleaved rounds [min-max]; torch {torch.__version__}, "
-        f"{threads} torch threads, {_threadpool_get_thread_count()} ExecuTorch threads",
-        describe_cpu(),
-        f"roofline: read bandwidth {statistics.median(gb):.1f} GB/s [{min(gb):.1f}-{max(gb):.1f}] (torch.sum over "
-        f"1 GB of random fp32, best of 1 and {threads} threads, sampled every round) / {weight_bytes / 1e6:.1f} MB "
-        f"fp32 weights per token (linears + lm_head) = {roofline_tps:.1f} tok/s\n",
-    ])
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    started = time.perf_counter()
+    args = parse_args(argv, PATHS, __doc__, "decode", SMOKE)
     specs = select_paths(args.rows, PATHS)
     bench = make_bench(args)
     reference = eager_reference_tokens(bench)
@@ -909,13 +212,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     weight_bytes = bench.shape.weight_bytes_per_token()
     roofline_tps = statistics.median(bandwidths) / weight_bytes
 
-    print(describe_run("LLM decode paths", bench, bandwidths))
-    print(format_table(rows, roofline_tps, reference))
+    header = describe_run("LLM decode paths", bench, bandwidths)
+    table = format_table(rows, roofline_tps, reference)
     notes = [f"  ({r.key}) {r.note}" for r in rows if r.note and r.status == "ok"]
     notes.append("  tokens=eager: leading greedy tokens equal to eager transformers generate() (same weights)")
+    targets = format_targets(rows, [b / weight_bytes for b in bandwidths])
+    print(header)
+    print(table)
     print("notes:\n" + "\n".join(notes))
-    print(format_targets(rows, [b / weight_bytes for b in bandwidths]))
-    return 0
+    print(targets)
+    checks = Checks()
+    check_rows(checks, rows, reference, "eager")
+    return finish("decode", args, checks, {"decode": "\n".join([header.strip(), table, "notes:", *notes, targets])},
+                  started, shape=vars(bench.shape), prompt=bench.prompt, reference_tokens=reference,
+                  bandwidths_gbs=spread_record([b / 1e9 for b in bandwidths]), roofline_tps=roofline_tps,
+                  rows=[row_record(r) for r in rows])
 
 
 if __name__ == "__main__":

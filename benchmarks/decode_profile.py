@@ -1,62 +1,16 @@
 """Where a 4-bit decode step's time goes: etblocks' 8da4w program beside ExecuTorch's own, with ETDump.
 
-Rows, both the SmolLM2-135M-shape Llama of `decode.py` (same random weights), 8da4w with groups of 32 (`quant.py`'s):
+Rows, the SmolLM2-135M-shape Llama with the same random weights, 8da4w in groups of 32: (a) etblocks (swap + export
+with `quantize_weights="8da4w"`), (b) ExecuTorch's llama example as export_llama_lib exports it with `-qmode 8da4w`
+(`harness.export_llama_example`). First decode.py's speed table (fresh process, interleaved rounds, medians
+[min-max], roofline from the bytes a step reads); each row's greedy tokens must agree with the fp32 model's on the
+first `--quantized-min-match`, or the script exits 1. Then each program runs `--profile-steps` decode steps with
+ETDump and the mean step is split into XNNPACK operators, delegate call overhead, CPU operators, the rest of
+`Method::execute`, and Python. Profiling adds time to every event it records, so the split overstates the small
+per-call items; step_breakdown.py times the parts unprofiled. Results: benchmarks/results/decode_profile.json.
 
-  a  etblocks 8da4w                 etblocks.swap(model, "xnnpack") + etblocks.export(quantize_weights="8da4w")
-  b  ExecuTorch llama example 8da4w ExecuTorch's llama Transformer as export_llama_lib exports it with `-qmode 8da4w
-                                    --group_size 32 --use_sdpa_with_kv_cache`: its `quantize()` (HQQ), custom SDPA and
-                                    KV cache, XNNPACK (`decode.export_llama_example`)
-
-First the speed table of `decode.py` (interleaved rounds, medians, ratios to (a), % of the memory roofline from the
-bytes a step reads, as `quant.py` counts them for 8da4w). Then each program runs `--profile-steps` decode steps
-with ETDump on (`Runtime.load_program(enable_etdump=True)`; the pip wheel records every XNNPACK operator too) and
-the mean time per decode step is split into:
-
-  XNNPACK operators       the time inside XNNPACK's operators (the GEMMs, mostly), summed over all delegates
-  delegate call overhead  DELEGATE_CALL minus its operators: per call, XNNPACK's executor reshapes and sets up
-                          every operator of the delegate again (so it grows with the operators, not the calls)
-  CPU operators           the kernels outside the delegates (llama::custom_sdpa, update_cache, the embedding, ...)
-  Method::execute other   ExecuTorch's own work between instructions
-  Python and pybind       the Python step (perf_counter around the driver's decode call) minus Method::execute:
-                          the input tensors, the output copy into a new tensor, the argmax
-
-and the weights' bytes at the sampled bandwidth are printed beside it (what the step would take if it only read
-them). Profiling adds time to every event it records, far more than a little: the (a) program's step took 7.7 ms
-profiled and 4.2 ms timed on the same quiet host (2026-12-01). The split below therefore overstates the small
-per-call items; `step_breakdown.py` times the parts unprofiled, each as a program of its own.
-
-    python benchmarks/decode_profile.py                 # 30 layers: two exports (~6 and ~9 min), then timing
-    python benchmarks/decode_profile.py --layers 2 --rounds 2 --profile-steps 4 --decode-steps 8   # smoke, ~2 min
-
-Full default run (etblocks 434ab3a + this script, this project's 2-core machine, 17 min; read bandwidth 32.9 GB/s,
-median of the rounds [31.6-34.1]; decode speed rose from round to round, 135 to 213 tok/s for (a), as it does on
-this shared host):
-
-    row                                 decode tok/s         prefill tok/s    export s  .pte MB  decode/(a)  %roof
-    (a) etblocks 8da4w                  156.3 [135.3-213.2]  1083 [776-1165]       332      189       1.00x    38%
-    (b) ExecuTorch llama example 8da4w  161.6 [142.8-186.3]  1013 [712-1124]       553      190       1.03x    39%
-
-    ms per decode step (ETDump)         (a) etblocks 8da4w  (b) ExecuTorch llama example 8da4w
-    Python step (decode call)                        6.088                               8.676
-      Method::execute                          5.694 (94%)                         8.169 (94%)
-        XNNPACK operators                      2.570 (42%)                         3.212 (37%)
-        delegate call overhead                 1.671 (27%)                         2.144 (25%)
-        delegate calls per step                         33                                 123
-        CPU operators                          1.289 (21%)                         2.033 (23%)
-          llama::custom_sdpa.out               1.127 (19%)                         1.467 (17%)
-        Method::execute other                  0.163 (3%)                          0.780 (9%)
-      Python and pybind                        0.394 (6%)                          0.507 (6%)
-    weights at the roofline bandwidth          2.414 (40%)                         2.414 (28%)
-
-Reading: both programs decode at the same speed. The profile's absolute split does not hold up unprofiled
-(`step_breakdown.py`, 2026-12-01): the XNNPACK operators do not read the weights at ~94% of the bandwidth; the
-linears alone, as one program, read them at ~83% (2.5 ms), and the rest of the step is paid per operator: the
-RMSNorms add 0.55 ms (60 norms of ~6 small XNNPACK operators each) and the attention (rope, the
-`llama::update_cache` writes, `llama::custom_sdpa`, one delegate per layer) 1.28 ms, ~43 us per layer. fp32 reads
-6.8x the bytes for the same per-operator costs, hence its ~80% of roofline. ExecuTorch's own program makes 123
-delegate calls per step (its RMSNorm's mean and some slices run on CPU) and profiles slower, but times the same
-unprofiled. (The run above predates the rewrites that took 14 of the 55 operators out of every etblocks layer:
-`step_breakdown.py` lists them, `quant.py` measures them.)
+    python benchmarks/decode_profile.py            # 30 layers
+    python benchmarks/decode_profile.py --smoke    # 1 layer, 1 round, 2 profiled steps
 """
 
 from __future__ import annotations
@@ -70,26 +24,35 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from decode import (  # benchmarks/ is not a package: Python puts this script's folder first on sys.path
+from harness import (  # benchmarks/ is not a package: Python puts this script's folder first on sys.path
+    GROUP_SIZE,
     Bench,
+    Checks,
     Driver,
+    Option,
     PathSpec,
     Row,
     TokensPosDriver,
+    add_run_args,
     aligned_table,
     argument_parser,
     build_hf_model,
+    bytes_per_token,
+    check_rows,
     describe_run,
     eager_reference_tokens,
     export_llama_example,
     export_with_etblocks,
+    finish,
     format_table,
     make_bench,
+    parse_with_smoke,
     prepare_path,
+    row_record,
     select_paths,
+    spread_record,
     time_in_fresh_process,
 )
-from quant import GROUP_SIZE, Option, bytes_per_token
 
 OPTION = Option("e", "8da4w", quantize="8da4w")  # quant.py's row (e): its bytes per step
 FILES = {"a": "a_etblocks_8da4w.pte", "b": "b_llama_example_8da4w.pte"}
@@ -184,10 +147,17 @@ def format_profiles(profiles: dict[str, StepProfile], names: dict[str, str], wei
     return aligned_table(["ms per decode step", *(f"({k}) {names[k]}" for k in profiles)], lines)
 
 
+SMOKE = {"layers": 1, "rounds": 1, "profile_steps": 2, "decode_steps": 4, "prompt_len": 8, "max_seq_len": 32}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    started = time.perf_counter()
     parser = argument_parser(PATHS, __doc__)
     parser.add_argument("--profile-steps", type=int, default=32, help="decode steps recorded with ETDump")
-    args = parser.parse_args(argv)
+    parser.add_argument("--quantized-min-match", type=int, default=1,
+                        help="leading greedy tokens an 8da4w row must share with the fp32 model")
+    add_run_args(parser, "decode_profile", SMOKE)
+    args = parse_with_smoke(parser, argv, SMOKE)
     bench = make_bench(args)
     try:
         reference = eager_reference_tokens(bench)
@@ -195,20 +165,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         prepared = [prepare_path(spec, bench) for spec in select_paths(args.rows, PATHS)]
         rows, bandwidths = time_in_fresh_process(prepared, bench, warm_prefill=True)
         bandwidth = statistics.median(bandwidths)
-        print(describe_run("8da4w decode: etblocks and ExecuTorch's llama example, XNNPACK", bench, bandwidths))
-        print(f"roofline: that bandwidth / {step_bytes / 1e6:.1f} MB read per decode step (quant.py's count)\n")
-        print(format_table(rows, bandwidth / step_bytes, reference, reference_label="fp32"))
-        print("tokens=fp32: leading greedy tokens equal to the fp32 transformers model's; random weights give flat "
-              "distributions, which 4-bit weights tip early (quant.py measures accuracy on a trained model)")
+        header = describe_run("8da4w decode: etblocks and ExecuTorch's llama example, XNNPACK", bench, bandwidths)
+        header += f"roofline: that bandwidth / {step_bytes / 1e6:.1f} MB read per decode step (quant.py's count)\n"
+        table = format_table(rows, bandwidth / step_bytes, reference, reference_label="fp32")
+        note = ("tokens=fp32: leading greedy tokens equal to the fp32 transformers model's; random weights give flat "
+                "distributions, which 4-bit weights tip early (quant.py measures accuracy on a trained model): the "
+                f"first {args.quantized_min_match} must agree")
+        print(header)
+        print(table)
+        print(note)
+        checks = Checks()
+        check_rows(checks, rows, reference, "eager fp32", {row.key: args.quantized_min_match for row in rows})
         profiles = {row.key: profile_decode(bench.out_dir / FILES[row.key], bench, args.profile_steps)
                     for row in rows if row.status == "ok"}
-        print(f"\nETDump of {args.profile_steps} decode steps (after the prompt and {args.profile_steps} untimed "
-              "steps), mean ms per step (share of the Python step):")
-        print(format_profiles(profiles, {row.key: row.name for row in rows}, step_bytes / bandwidth * 1e3))
+        profile_title = (f"ETDump of {args.profile_steps} decode steps (after the prompt and {args.profile_steps} "
+                         "untimed steps), mean ms per step (share of the Python step):")
+        profile_table = format_profiles(profiles, {row.key: row.name for row in rows}, step_bytes / bandwidth * 1e3)
+        print("\n" + profile_title)
+        print(profile_table)
     finally:
         if args.out_dir is None:
             shutil.rmtree(bench.out_dir, ignore_errors=True)
-    return 0
+    return finish("decode_profile", args, checks,
+                  {"speed": "\n".join([header.strip(), table, note]), "profile": f"{profile_title}\n{profile_table}"},
+                  started, shape=vars(bench.shape), reference_tokens=reference, bytes_per_step=step_bytes,
+                  bandwidths_gbs=spread_record([b / 1e9 for b in bandwidths]), rows=[row_record(r) for r in rows],
+                  profiles={key: {**vars(p), "delegate_overhead": p.delegate_overhead,
+                                  "execute_other": p.execute_other} for key, p in profiles.items()})
 
 
 if __name__ == "__main__":

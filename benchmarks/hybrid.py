@@ -1,80 +1,26 @@
 """Hybrid LLMs (Qwen3.5, LFM2) to ExecuTorch/XNNPACK: etblocks against ExecuTorch's own examples and transformers.
 
-Models, random weights (seed `--seed`, init std `--init-range`), fp32, built by transformers from a config:
+Models: random weights, fp32, built by transformers from a config at the shape of ExecuTorch's examples
+(`--family qwen3_5`: Qwen3.5-0.8B, 24 layers, 3 Gated DeltaNet then 1 gated attention; `--family lfm2`: LFM2-350M,
+16 layers of short conv and attention); `--layers N` keeps the first N layer types (a cut without attention gets one
+as its last layer). Rows (`--rows`), each exported for fp32 and 8da4w (`--quantize`, groups of `--group-size`):
+(a) etblocks (swap + export); (b) the family's ExecuTorch example as its README exports it (`export_llama` with the
+example's yaml); (c) transformers' `ExecutorchExporter().export_for_generation`; (d) (b) with dynamic shapes
+(qwen3_5 only); (e) transformers' `TorchExportableModuleForDecoderOnlyLM`.
 
-  --family qwen3_5  Qwen3_5ForCausalLM at the Qwen3.5-0.8B shape of ExecuTorch's examples/models/qwen3_5/config/
-                    0_8b_config.json: 24 layers, 3 `linear_attention` (Gated DeltaNet) then 1 `full_attention`
-                    (gated, partial rope), hidden 1024, 8/2 heads of 256, intermediate 3584, vocab 248320, tied
-  --family lfm2     Lfm2ForCausalLM at the LFM2-350M shape of examples/models/lfm2/config/lfm2_350m_config.json: 16
-                    layers, `conv` (short conv, L_cache 3) and `full_attention` (attention at 2, 5, 8, 10, 12, 14),
-                    hidden 1024, 16/8 heads of 64, MLP 4608, vocab 65536, tied. That file lists 17 layer types for its
-                    16 layers; the first 16 are the checkpoint's.
+Timing (`harness`): every row exported in a process of its own, then timed in a fresh process per prompt length
+(`--prompts`) in `--rounds` interleaved rounds (an untimed warm prefill, a timed prefill, `--decode-steps` greedy
+steps); medians [min-max]; rows take turns in memory when they would not fit together (`--load`). Tokens: every
+row's greedy tokens against the eager transformers model's `generate()` on the same weights (8da4w rows against the
+eager model quantized as the row quantizes, `build_reference_model`): fp32 rows must agree on all, 8da4w rows on the
+first `--quantized-min-match` (XNNPACK's dynamic int8 activations round differently from torchao's eager ones);
+otherwise the script exits 1. Also printed: fp32 state bytes per layer against a full-attention K/V cache
+(`state_table`). Results: benchmarks/results/hybrid.json, one entry per family and layer count (a later run of the
+same entry replaces the quantization settings it measures).
 
-`--layers N` keeps the first N layer types; a cut with no `full_attention` gets one as its last layer, so that a smoke
-run (`--layers 2`) has both kinds of layer.
-
-Rows (`--rows`), each exported for fp32 and for 8da4w (`--quantize`; int4 weights in groups of `--group-size`, int8
-dynamic activations, HQQ scales: ExecuTorch's `quantize(qmode="8da4w")`, which etblocks also follows):
-
-  a  etblocks xnnpack          etblocks.swap + etblocks.export, as decode.py's row (a) (`export_with_etblocks`);
-                               `UnsupportedModelError` shows as unavailable
-  b  ExecuTorch example        the family's example as its README exports it: the transformers weights saved, converted
-                               by the example's `convert_weights`, a params.json from the transformers config, then
-                               `export_llama` (what `python -m extension.llm.export.export_llm --config <example yaml>`
-                               runs) with the example's yaml: qwen3_5_xnnpack_fp32.yaml (static [1,1] shapes: prefill
-                               token by token; 8da4w adds `quantization.qmode`, which its README defers),
-                               lfm2_xnnpack_fp32.yaml / lfm2_xnnpack_q8da4w.yaml (dynamic prompt length); custom SDPA
-                               and custom KV cache (`use_sdpa_with_kv_cache`), `llama::gated_delta_rule` for DeltaNet
-  c  transformers exporter     `ExecutorchExporter().export_for_generation` (decode.py's row d): prefill.pte (static at
-                               the prompt length, so one per `--prompts` length) + decode.pte, every state passed in and
-                               out as graph inputs/outputs; 8da4w: the same torchao quantizer, then
-                               `unwrap_tensor_subclass` (its `model.to()` cannot swap torchao weights otherwise)
-  d  ExecuTorch example, dynamic   (b) with `model.enable_dynamic_shape=True`: qwen3_5 only (lfm2's (b) is dynamic)
-  e  transformers static cache     `TorchExportableModuleForDecoderOnlyLM` (decode.py's row b)
-
-Timing is decode.py's (`prepare_path`, `time_in_fresh_process`, `time_rows`): every row exported first (here each in
-a process of its own, `in_own_process`: exports of these models leave gigabytes allocated), then loaded anew in a fresh
-process and timed there in `--rounds` interleaved rounds, each an untimed warm prefill, a timed prefill of the prompt
-and `--decode-steps` timed greedy steps; medians [min-max]. One fresh process per prompt length (`--prompts`, context
-`--max-seq-len`). When the rows' programs would not fit in memory together (a full-size Qwen3.5 fp32 program is ~4 GB,
-row (c) has two) they take turns (`--load`): a row's program is loaded before its turn in each round and dropped when
-the next row's is loaded (untimed; "one at a time" in the header). Export seconds cover what each path does to the
-built model (quantization included), not building it or (row b) saving and converting its checkpoint.
-
-ExecuTorch's LFM2 example keeps its conv state across calls (its `ShortConv` does not clear it at input_pos 0, unlike
-the Qwen3.5 DeltaNet layers, which do), so a second prefill of the same prompt on the same program returns other
-logits; row (b) starts each sequence on a newly loaded program (`reset()`, untimed). Its `Llama2Model` also takes a
-checkpoint whose path contains "8da4w" or "int8" for a pre-quantized one (`export_example` keeps both out of the path).
-
-Tokens: every row's greedy tokens are compared with the eager transformers model's `generate(do_sample=False)` on the
-same weights, for each prompt. fp32 rows must agree on every token. 8da4w rows are compared with the eager model
-quantized the way the row quantizes (`build_reference_model`): rows b-e with ExecuTorch's `quantize()` on the
-transformers model, its group scales then rounded to bf16 as XNNPACK stores them; row a with etblocks' own torchao
-config (bf16 scales chosen by HQQ, the integers rounded to them: other int4 values than ExecuTorch's). XNNPACK's
-dynamic int8 activations round differently from torchao's eager ones, so with random weights the greedy paths part
-after some tokens (3 to 33 of 33 at 2 layers), and an 8da4w row must agree on the first `--quantized-min-match`
-(default 1: the prefill's token). The script exits 1 when a row disagrees (printing the row and the first differing
-index) or fails; an unavailable row is reported, not an error.
-
-Also printed: fp32 state bytes per layer, against a full-attention K/V cache, at contexts 256, 2048 and 8192 (from the
-config of the full-size model):
-  full_attention    2 * ctx * kv_heads * head_dim                        (K and V)
-  conv (LFM2)       (L_cache - 1) * hidden                               (the short conv's window)
-  linear_attention  (conv_kernel - 1) * (2 * key_dim + value_dim)        (the conv window over q, k, v)
-                    + v_heads * k_head_dim * v_head_dim                  (the DeltaNet recurrent matrix)
-(programs may keep more: transformers and ExecuTorch's Qwen3.5 example keep conv_kernel rows, not conv_kernel - 1;
-ExecuTorch's LFM2 example keeps L_cache - 1).
-
-Results (tables, per-round figures, tokens, state table, CPU) go to `--out` (default benchmarks/results/hybrid.json,
-one entry per family and layer count; a later run of the same replaces the quantization settings it measures).
-
-    python benchmarks/hybrid.py --family lfm2                                     # full 16-layer run, ~45 min
-    python benchmarks/hybrid.py --family qwen3_5 --quantize none                  # full 24-layer fp32 half, ~1.5 h
-    python benchmarks/hybrid.py --family qwen3_5 --layers 2 --rounds 2 --rows b,c  # smoke run, 24 min
-    python benchmarks/hybrid.py --family lfm2 --layers 2 --rounds 2 --rows b,c     # smoke run, 9 min
-
-(times on this project's 2-core machine; the full-size ones are estimates scaled from the smoke runs: most of a run is
-exports and, for 8da4w, HQQ quantization of the 248k-row Qwen3.5 lm_head, once per export and reference.)
+    python benchmarks/hybrid.py --family lfm2                       # 16 layers, fp32 and 8da4w
+    python benchmarks/hybrid.py --family qwen3_5 --quantize none    # 24 layers, fp32
+    python benchmarks/hybrid.py --smoke                             # lfm2, 2 layers, row a, fp32, 1 round
 """
 
 from __future__ import annotations
@@ -98,8 +44,10 @@ from typing import Any
 
 import torch
 
-from decode import (  # benchmarks/ is not a package: Python puts this script's folder first on sys.path
+from harness import (  # benchmarks/ is not a package: Python puts this script's folder first on sys.path
+    RESULTS_DIR,
     Bench,
+    Checks,
     Driver,
     PathSpec,
     RebuiltWhenPickled,
@@ -107,25 +55,33 @@ from decode import (  # benchmarks/ is not a package: Python puts this script's 
     Shape,
     TokensPosDriver,
     Unavailable,
-    _matching_prefix,
+    add_run_args,
+    aligned_table,
+    args_record,
+    check_tokens,
     argmax_last,
     argument_parser,
-    describe_cpu,
+    export_hf_static,
     describe_run,
     eager_reference_tokens,
     export_with_etblocks,
     format_table,
     load_method,
-    path_hf_static,
+    linear_bytes,
+    matching_prefix,
+    parse_with_smoke,
     pte_megabytes,
     prepare_path,
     reset_driver,
     run_method,
+    run_info,
     select_paths,
+    spread_record,
     time_in_fresh_process,
+    write_results,
 )
 
-RESULTS = Path(__file__).parent / "results" / "hybrid.json"
+RESULTS = RESULTS_DIR / "hybrid.json"
 STATE_CONTEXTS = (256, 2048, 8192)
 _STARTED = time.perf_counter()
 
@@ -318,8 +274,6 @@ def linear_shapes(bench: HybridBench) -> list[tuple[int, int]]:
 def weight_bytes_per_token(bench: HybridBench, quantize: str | None) -> float:
     """What one decode step reads of the linear weights (quant.py's byte counts; an 8da4w linear whose input width
     the group size does not divide stays fp32, as the quantizer leaves it)."""
-    from quant import linear_bytes
-
     total = 0.0
     for out_features, in_features in linear_shapes(bench):
         scheme = quantize if quantize is None or in_features % bench.group_size == 0 else None
@@ -332,7 +286,15 @@ def weight_bytes_per_token(bench: HybridBench, quantize: str | None) -> float:
 
 
 def state_bytes(config: Any, kind: str, context: int, bytes_per_value: int = 4) -> int:
-    """fp32 bytes one layer of `kind` keeps for a sequence of `context` tokens (module docstring)."""
+    """fp32 bytes one layer of `kind` keeps for a sequence of `context` tokens:
+
+      full_attention    2 * ctx * kv_heads * head_dim                        (K and V)
+      conv (LFM2)       (L_cache - 1) * hidden                               (the short conv's window)
+      linear_attention  (conv_kernel - 1) * (2 * key_dim + value_dim)        (the conv window over q, k, v)
+                        + v_heads * k_head_dim * v_head_dim                  (the DeltaNet recurrent matrix)
+
+    Programs may keep more: transformers and ExecuTorch's Qwen3.5 example keep conv_kernel rows, not
+    conv_kernel - 1; ExecuTorch's LFM2 example keeps L_cache - 1."""
     if kind == "full_attention":
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return 2 * context * config.num_key_value_heads * head_dim * bytes_per_value
@@ -357,8 +319,6 @@ def _bytes(n: float) -> str:
 def state_table(bench: HybridBench) -> tuple[str, dict[str, Any]]:
     """The text table of state bytes per layer and per model at `STATE_CONTEXTS`, and the same figures for the
     results file; at the full size of the family."""
-    from decode import aligned_table
-
     family = FAMILIES[bench.family]
     config = hf_config(dataclasses.replace(bench, layer_types=family.layer_types))
     kinds = list(dict.fromkeys(family.layer_types))
@@ -682,7 +642,7 @@ def path_hf_static_cache(bench: HybridBench, row: Row) -> Driver:
         probe.generation_config.cache_implementation = "static"
         TorchExportableModuleForDecoderOnlyLM(probe, batch_size=1, max_cache_len=bench.shape.max_seq_len)
         del probe
-        return path_hf_static(bench, row, build_export_model)
+        return export_hf_static(bench, row, build_export_model, "e_hf_static.pte")
     except Exception as e:  # the row says why it does not export, in one line
         raise Unavailable(one_line(e)) from e
 
@@ -799,30 +759,23 @@ def run_setting(bench: HybridBench, specs: Sequence[PathSpec], keep_files: bool,
 # Report
 
 
-def check_tokens(outcome: Outcome, min_match: int) -> list[str]:
-    """One line per row and prompt whose tokens disagree with the reference more than allowed (fp32: any token;
-    8da4w: within the first `min_match`), or whose path failed."""
-    problems = []
+def check_outcome(outcome: Outcome, min_match: int, checks: Checks) -> None:
+    """A token check per row and prompt (fp32: every token must agree; 8da4w: the first `min_match`), and a failure
+    per failed row."""
     for n, rows in outcome.rows.items():
         for row in rows:
             reference = outcome.reference(row.key, n)
             required = len(reference) if outcome.quantize is None else min(min_match, len(reference))
             where = f"({row.key}) {row.name}, {tag_of(outcome.quantize)}, {n}-token prompt"
             if row.status.startswith("failed"):
-                problems.append(f"FAILED    {where}: {row.status}")
+                checks.fail(f"{where}: {row.status}")
                 continue
             if row.status != "ok":
                 continue
-            agree = _matching_prefix(row.tokens, reference)
-            if agree < len(reference):
-                theirs = row.tokens[agree] if agree < len(row.tokens) else "-"
-                line = (f"{where}: first differing index {agree} (row {theirs} vs eager {reference[agree]}), "
-                        f"{agree}/{len(reference)} tokens agree")
-                if agree < required:
-                    problems.append(f"DISAGREES {line}")
-                else:
-                    print(f"  differs after the required {required}: {line}")
-    return problems
+            label = "eager" if outcome.quantize is None else f"eager {outcome.quantize}"
+            check = checks.add(check_tokens(row.key, row.tokens, reference, label, required, note=where))
+            if check.ok and check.first_difference is not None:
+                print(f"  differs after the required {required}: {check.describe()}")
 
 
 def tag_of(quantize: str | None) -> str:
@@ -848,7 +801,7 @@ def format_outcome(outcome: Outcome, bench: HybridBench, title: str, model_line:
             row.extras[headers[0]] = f"{statistics.median(other.decode_runs):.1f}"
             row.extras[headers[1]] = f"{statistics.median(other.prefill_runs):.0f}"
             reference = outcome.reference(row.key, n)
-            row.extras[headers[2]] = f"{_matching_prefix(other.tokens, reference)}/{len(reference)}"
+            row.extras[headers[2]] = f"{matching_prefix(other.tokens, reference)}/{len(reference)}"
     fp32_bytes = weight_bytes_per_token(bench, None)
     quantized_bytes = weight_bytes_per_token(bench, outcome.quantize)
     bandwidths = outcome.bandwidths[first]
@@ -896,46 +849,36 @@ def row_record(outcome: Outcome, key: str) -> dict:
             "status": row.status, "decode_tps": row.decode_tps, "prefill_tps": row.prefill_tps,
             "decode_runs": row.decode_runs, "prefill_runs": row.prefill_runs, "tokens": row.tokens,
             "reference": reference_scheme(key, outcome.quantize),
-            "tokens_agreeing": _matching_prefix(row.tokens, outcome.reference(key, n)) if row.tokens else None,
+            "tokens_agreeing": matching_prefix(row.tokens, outcome.reference(key, n)) if row.tokens else None,
+            "timings": {"decode_tps": spread_record(row.decode_runs), "prefill_tps": spread_record(row.prefill_runs)},
         }
     return record
-
-
-def save_results(path: Path, entry_key: str, entry: dict) -> None:
-    """Write this run's entry into the results file: other entries are kept, and so are the quantization settings
-    of an earlier run of the same entry that this run did not measure (`--quantize none`, then `--quantize 8da4w`,
-    fill one entry)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        results = json.loads(path.read_text())
-    except (OSError, ValueError):
-        results = {}
-    earlier = results.setdefault("runs", {}).get(entry_key) or {}
-    for field in ("settings", "tables"):
-        if isinstance(earlier.get(field), dict):
-            entry[field] = {**earlier[field], **entry[field]}
-    results["runs"][entry_key] = entry
-    path.write_text(json.dumps(results, indent=1, default=str) + "\n")
 
 
 # --------------------------------------------------------------------------------------------------
 # Main
 
 
+SMOKE = {"family": "lfm2", "layers": 2, "rows": "a", "quantize": "none", "rounds": 1, "prompts": "8",
+         "decode_steps": 4, "max_seq_len": 32}
+
+
 def parse_args(argv: Sequence[str] | None) -> Any:
     parser = argument_parser(PATHS, __doc__)
-    parser.add_argument("--family", choices=sorted(FAMILIES), required=True)
+    parser.add_argument("--family", choices=sorted(FAMILIES), default=None, help="required (--smoke: lfm2)")
     parser.add_argument("--prompts", default="64,256", help="comma-separated prompt lengths, each timed")
     parser.add_argument("--quantize", default="none,8da4w", help="comma-separated: none (fp32), 8da4w")
     parser.add_argument("--group-size", type=int, default=32, help="8da4w's group size (every row)")
     parser.add_argument("--quantized-min-match", type=int, default=1,
                         help="leading greedy tokens an 8da4w row must share with the eager 8da4w model")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="results file (JSON)")
     parser.add_argument("--load", choices=("auto", "together", "one-at-a-time"), default="auto",
                         help="the timing process holds every row's program, or one at a time (auto: one at a time when "
                              "they would take more than half the available memory)")
     parser.set_defaults(layers=None, max_seq_len=512, prompt_len=None)
-    args = parser.parse_args(argv)
+    add_run_args(parser, "hybrid", SMOKE)
+    args = parse_with_smoke(parser, argv, SMOKE)
+    if args.family is None:
+        parser.error("--family is required")
     args.prompt_lengths = [args.prompt_len] if args.prompt_len else [int(p) for p in args.prompts.split(",") if p]
     args.quantize_modes = [None if q.strip() == "none" else q.strip() for q in args.quantize.split(",") if q.strip()]
     unknown = [q for q in args.quantize_modes if q not in (None, "8da4w")]
@@ -990,9 +933,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     model_line = describe_model(bench, made_full)
     table, state_figures = state_table(bench)
     print(f"\nState per layer, {FAMILIES[bench.family].label}, fp32, against a full-attention K/V cache "
-          f"(from the config, module docstring)\n{table}\n", flush=True)
+          f"(from the config, `state_bytes`)\n{table}\n", flush=True)
 
-    outcomes, texts, problems = [], {}, []
+    outcomes, texts, checks = [], {}, Checks()
     for quantize in args.quantize_modes:
         setting = dataclasses.replace(bench, quantize=quantize,
                                       out_dir=bench.out_dir / ("fp32" if quantize is None else "quantized"))
@@ -1003,23 +946,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         text, roofline = format_outcome(outcome, setting, title, model_line)
         print(text, flush=True)
         texts[tag_of(quantize)] = text
-        problems += check_tokens(outcome, args.quantized_min_match)
-        outcomes.append((outcome, roofline))
+        setting_checks = Checks()
+        check_outcome(outcome, args.quantized_min_match, setting_checks)
+        checks.items += setting_checks.items
+        checks.failures += setting_checks.failures
+        outcomes.append((outcome, roofline, setting_checks))
     if args.out_dir is None:
         shutil.rmtree(bench.out_dir, ignore_errors=True)
 
     wall_s = time.perf_counter() - _STARTED
-    import executorch
-    import transformers
-
     entry = {
         "family": bench.family, "layers": len(bench.layer_types), "layer_types": list(bench.layer_types),
         "model": model_line, "config": hf_config(bench).to_dict(), "context": bench.shape.max_seq_len,
         "prompts": sorted(bench.prompts), "decode_steps": bench.decode_steps, "rounds": bench.rounds,
-        "group_size": args.group_size, "rows": args.rows, "cpu": describe_cpu(), "threads": torch.get_num_threads(),
-        "versions": {"torch": torch.__version__, "executorch": getattr(executorch, "__version__", "?"),
-                     "transformers": transformers.__version__},
-        "state_bytes": state_figures, "wall_s": wall_s, "problems": problems,
+        "group_size": args.group_size, "rows": args.rows, **run_info(), "args": args_record(args),
+        "state_bytes": state_figures, "wall_s": wall_s, "checks": checks.records(), "problems": checks.problems(),
+        "ok": checks.ok,
         "settings": {
             tag_of(o.quantize): {
                 "roofline_tps": roofline, "one_at_a_time": o.one_at_a_time, "program_mb": o.program_mb,
@@ -1027,19 +969,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "reference_tokens": {scheme: {str(n): tokens for n, tokens in per.items()}
                                      for scheme, per in o.references.items()},
                 "rows": [row_record(o, r.key) for r in o.rows[min(o.rows)]],
-            } for o, roofline in outcomes
+                "checks": c.records(), "problems": c.problems(),
+            } for o, roofline, c in outcomes
         },
         "tables": texts,
     }
     full = len(bench.layer_types) == len(FAMILIES[bench.family].layer_types)
-    save_results(args.out, bench.family if full else f"{bench.family} ({len(bench.layer_types)} layers)", entry)
-    print(f"\nresults: {args.out}; wall time {wall_s / 60:.1f} min")
-    if problems:
-        print("token check FAILED:\n  " + "\n  ".join(problems))
-        return 1
-    print("token check: every available row agrees with the eager model (fp32: all tokens; 8da4w: the first "
-          f"{args.quantized_min_match})")
-    return 0
+    key = bench.family if full else f"{bench.family} ({len(bench.layer_types)} layers)"
+    key = f"smoke {key}" if args.smoke else key
+    # Runs of one entry merge: `--quantize none`, then `--quantize 8da4w`, fill one entry.
+    write_results(args.out, key, entry, merge=("settings", "tables"))
+    print(f"\nresults: {args.out} (entry {key!r}); wall time {wall_s / 60:.1f} min")
+    print(checks.report())
+    return 0 if checks.ok else 1
 
 
 if __name__ == "__main__":

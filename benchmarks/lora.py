@@ -1,69 +1,27 @@
-"""LoRA adapters switched at run time vs one program per adapter, on the SmolLM2-135M shape (fp32, random weights).
+"""LoRA adapters switched at run time against one program per adapter, on the SmolLM2-135M shape (fp32, random
+weights).
 
-One base model (`decode.build_hf_model`, seeded random weights) and two PEFT LoRA adapters made for it (random
-`lora_A` / `lora_B`, `init_lora_weights=False`):
+A seeded base (`harness.build_hf_model`) and two random PEFT LoRA adapters (A: r=16, alpha 32, all linears; B: r=8,
+alpha 16, rsLoRA, q_proj and v_proj) become four XNNPACK programs: base-only; slots (swap + `load_adapter` A and B +
+export: LoRA slots and a `set_adapter` method, one .ptd per adapter); merged A and merged B (PEFT
+`merge_and_unload()`, then swap + export). Measured in one run: 1. the slot program's greedy tokens after
+`Runner.set_adapter(A | B | None)`, and the base-only and merged programs', against `PeftModel.generate` with that
+adapter (a disagreement exits 1; a wrong slot program stops the run before anything is timed); 2. file sizes;
+3. resident memory and 4. switch and load times, each in a fresh child process; 5. decode and prefill tok/s of
+base-only, slots with None and with A, merged A, in `--rounds` interleaved rounds (medians [min-max], ratios to
+base-only as medians of per-round ratios), whose tokens are checked against PEFT too. Results:
+benchmarks/results/lora.json.
 
-  A  r=16, lora_alpha=32, target_modules="all-linear" (q, k, v, o, gate, up, down of every layer)
-  B  r=8, lora_alpha=16, use_rslora, q_proj and v_proj only
-
-become four XNNPACK programs:
-
-  base-only   etblocks.swap + etblocks.export of the base, no adapters
-  slots       etblocks.swap + load_adapter(A) + load_adapter(B) + etblocks.export: LoRA slots (mutable buffers) and a
-              `set_adapter` method in the .pte, one .ptd per adapter; `Runner.set_adapter` switches
-  merged A/B  "one program per adapter", what people do today: PEFT `merge_and_unload()` on a copy of the base,
-              then swap + export (no slots); switching adapters means loading another program
-
-Measured, in this order, in one run:
-
-  1. correctness: after `Runner.set_adapter(A | B | None)` the slot program's first greedy tokens equal
-     `PeftModel.generate` (greedy) with that adapter (None: `disable_adapter()`); the run aborts if not. The
-     base-only and merged programs are checked against the same references (reported, not fatal).
-  2. sizes: slot .pte vs base-only .pte; each adapter .ptd vs the bytes of its lora_A/lora_B tensors.
-  3. resident memory (VmRSS, with its anonymous / file-backed split from /proc/self/status) and 4. switch / load
-     times, each measured in a fresh child process so nothing the benchmark itself allocated is counted:
-     slots: before loading, after `Runner(path)`, after `add_adapter("A")`, after `add_adapter("B")`, after
-     `--switches` calls `set_adapter` cycling A -> B -> None (each call timed), after generating a few tokens;
-     per adapter: after `Runner(merged A)`, after `Runner(merged B)` (the second program), after dropping A; then
-     `Runner(path)` wall times in `--loads` interleaved rounds of merged A, the slot program, merged B (the .pte
-     files are in the page cache).
-  5. decode speed: all programs loaded (the slot program once, serving "None" and "A"), then `--rounds`
-     interleaved rounds, each a prefill of the `--prompt-len`-token prompt and `--decode-steps` greedy decode steps
-     per row (for the slot rows `set_adapter` runs before the round, untimed); medians [min-max] over rounds, ratios
-     are medians of per-round ratios to the base-only program (rows of one round share the host's load).
-
-    PYTHONPATH=. python benchmarks/lora.py                 # full 30-layer run (8-13 minutes on 2 shared cores)
-    PYTHONPATH=. python benchmarks/lora.py --layers 2      # smoke run (about 70 s, mostly the 4 exports)
-
-Full default run (30 layers, every default; 7 minutes on this project's 2-core machine; etblocks ebc493d, whose
-LoRA path is XNNPACK `bmm`s over `[None]` views of the slots):
-
-    correctness   slot program with A, B, None: 8/8 greedy tokens equal PeftModel.generate (base-only, merged: 8/8)
-    .pte          base-only 651,505,664 B; slot program 651,888,384 B (+382.7 KB); merged A / B 651,505,408 B each
-    .ptd          A 19,591,424 B = its 420 tensors + 53,504 B; B 1,858,688 B = its 120 tensors + 15,488 B
-    RSS (MB)      slot program: Runner +713.8, add_adapter(A) +43.4, add_adapter(B) +2.1, 100 switches +18.1,
-                  100 more +0.0 (777 over the bare runtime in all)
-                  per adapter: Runner(merged A) +670.6, Runner(merged B) +670.6 (1341 for two adapters)
-    switch        set_adapter: median 1.00 ms, p90 1.94 ms (A / B 0.96-0.98 ms, None 1.90 ms); Runner(merged
-                  program) median 92 ms (92x), Runner(slot program) 122 ms
-    decode        tok/s, median of 7 rounds [min-max], ratio to (a); prefill of the 16-token prompt in tok/s
-                  (a) base-only                  83.3 [80.2-111.8]  1.00x   prefill 547  1.00x
-                  (b) slot program, None         59.8 [57.4-72.9]   0.71x   prefill 475  0.85x
-                  (c) slot program, A            59.0 [54.8-73.1]   0.70x   prefill 471  0.88x
-                  (d) merged A (one per adapter) 82.3 [69.3-111.4]  0.96x   prefill 547  1.02x
-
-What the unmerged path costs per decode step (ETDump of the same programs, 30 layers, an earlier run): 17.6 ->
-25.2 ms, of which 5.5 ms are the 420 XNNPACK batch matmuls whose right operands are run-time slots (about 13 us
-each, all adapters alike: a slot's padding is computed too) and 0.9 ms the 422 `unsqueeze_copy`s copying the
-slots out of their buffers on CPU. The LoRA matmuls as portable `mm`s outside XNNPACK (152 partitions instead of
-33) measured 0.85-0.88x against 0.71-0.75x in one interleaved comparison and 0.81x against 0.79x in another: no
-consistent gain. For one adapter at the base's speed, `etblocks.adapters.merge_adapter` bakes it in as row (d) does.
+    python benchmarks/lora.py            # 30 layers
+    python benchmarks/lora.py --smoke    # 1 layer, 1 round
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import io
 import gc
 import json
 import os
@@ -80,8 +38,24 @@ from typing import Any
 
 import torch
 
-from decode import (Bench, Shape, _matching_prefix, _paired_median, _spread, argmax_last, build_hf_model, time_round,
-                    warm_up)
+from harness import (  # benchmarks/ is not a package: Python puts this script's folder first on sys.path
+    Bench,
+    Checks,
+    Shape,
+    add_run_args,
+    aligned_table,
+    argmax_last,
+    build_hf_model,
+    check_tokens,
+    finish,
+    matching_prefix,
+    paired_median,
+    parse_with_smoke,
+    spread,
+    spread_record,
+    time_round,
+    warm_up,
+)
 
 
 @dataclass(frozen=True)
@@ -376,15 +350,6 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(headers[i]), *(len(r[i]) for r in rows)) for i in range(len(headers))]
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-
-    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])
-
-
 def memory_table(points: list[tuple[str, dict]]) -> str:
     rows, previous, first = [], None, points[0][1]
     for label, m in points:
@@ -392,7 +357,7 @@ def memory_table(points: list[tuple[str, dict]]) -> str:
         rows.append([label, f"{m['rss']:.1f}", step, f"{m['rss'] - first['rss']:+.1f}", f"{m['anon']:.1f}",
                      f"{m['file']:.1f}"])
         previous = m
-    return table(["", "VmRSS MB", "step MB", "total MB", "anon MB", "file MB"], rows)
+    return aligned_table(["", "VmRSS MB", "step MB", "total MB", "anon MB", "file MB"], rows)
 
 
 def print_report(args, shape: Shape, bench: Bench, programs: list[Program], references, checks, sizes, slots_probe,
@@ -415,7 +380,7 @@ def print_report(args, shape: Shape, bench: Bench, programs: list[Program], refe
         print("  " + line)
 
     print("\n2. sizes")
-    print(table(["file", "bytes", "MB", "vs"], sizes))
+    print(aligned_table(["file", "bytes", "MB", "vs"], sizes))
 
     print("\n3. resident memory (fresh child process each; anon = RssAnon, file = RssFile)")
     print("slot program:")
@@ -447,7 +412,7 @@ def print_report(args, shape: Shape, bench: Bench, programs: list[Program], refe
     rows.append(["  merged A, then merged B (the second program)", f"{first_a:.0f}, {first_b:.0f}", "", "", ""])
     for name, ms in slots_probe["add_ms"].items():
         rows.append([f"Runner.add_adapter({name!r}), once", f"{ms:.1f}", "", "", ""])
-    print(table(["", "median ms", "p90 ms", "max ms", "vs set_adapter"], rows))
+    print(aligned_table(["", "median ms", "p90 ms", "max ms", "vs set_adapter"], rows))
     print(f"second adapter: add_adapter('B') {add_b:+.1f} MB RSS and {statistics.median(switch_all):.3f} ms per "
           f"switch, vs a second program {second_rss:+.1f} MB RSS and {statistics.median(loads):.0f} ms per load")
 
@@ -456,13 +421,13 @@ def print_report(args, shape: Shape, bench: Bench, programs: list[Program], refe
     ref = programs[0]
     rows = []
     for p in programs:
-        ratio = _paired_median(p.decode_runs, ref.decode_runs)
-        pratio = _paired_median(p.prefill_runs, ref.prefill_runs)
-        n = _matching_prefix(p.tokens, references[p.reference])
-        rows.append([f"({p.key}) {p.label}", _spread(p.decode_runs, ".1f"), "-" if ratio is None else f"{ratio:.2f}x",
-                     _spread(p.prefill_runs, ".0f"), "-" if pratio is None else f"{pratio:.2f}x",
+        ratio = paired_median(p.decode_runs, ref.decode_runs)
+        pratio = paired_median(p.prefill_runs, ref.prefill_runs)
+        n = matching_prefix(p.tokens, references[p.reference])
+        rows.append([f"({p.key}) {p.label}", spread(p.decode_runs, ".1f"), "-" if ratio is None else f"{ratio:.2f}x",
+                     spread(p.prefill_runs, ".0f"), "-" if pratio is None else f"{pratio:.2f}x",
                      f"{p.pte_mb:.1f}", f"{p.export_s:.0f}", f"{n}/{len(references[p.reference])}"])
-    print(table(["program", "decode tok/s", "decode/(a)", "prefill tok/s", "prefill/(a)", ".pte MB", "export s",
+    print(aligned_table(["program", "decode tok/s", "decode/(a)", "prefill tok/s", "prefill/(a)", ".pte MB", "export s",
                  "tokens=PEFT"], rows))
     print("delegation:")
     for label, text in delegations:
@@ -472,6 +437,10 @@ def print_report(args, shape: Shape, bench: Bench, programs: list[Program], refe
 
 # --------------------------------------------------------------------------------------------------
 # Main
+
+
+SMOKE = {"layers": 1, "max_seq_len": 32, "prompt_len": 8, "decode_steps": 4, "rounds": 1, "check_tokens": 4,
+         "switches": 6, "loads": 1}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -492,7 +461,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out-dir", type=Path, default=None,
                         help="where adapters and programs go (kept); default: a temp dir, deleted at the end")
     parser.add_argument("--probe", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)  # child process
-    return parser.parse_args(argv)
+    add_run_args(parser, "lora", SMOKE)
+    return parse_with_smoke(parser, argv, SMOKE)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -513,6 +483,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, shape: Shape, bench: Bench, started: float) -> int:
+    """The whole benchmark (module docstring); the exit code."""
     import etblocks
 
     out = bench.out_dir
@@ -538,24 +509,24 @@ def run(args: argparse.Namespace, shape: Shape, bench: Bench, started: float) ->
     # 1. correctness: the slot program through Runner.set_adapter, against PEFT
     log("greedy checks ...")
     slots = etblocks.Runner(slot_result.path, adapters=slot_result.adapters)
-    checks, bad = [], []
+    verdicts = Checks()
+    checks = []
     for name in CYCLE:
         slots.set_adapter(name)
         tokens = slots.generate(bench.prompt, max_new_tokens=args.check_tokens, eos=[])
-        n = _matching_prefix(tokens, references[name])
-        checks.append(f"slot program, set_adapter({name!r}): {n}/{len(tokens)} {tokens}")
-        if tokens != references[name]:
-            bad.append(f"set_adapter({name!r}): Runner {tokens} vs PEFT {references[name]}")
-    if bad:
-        raise SystemExit("[lora bench] ABORT: the slot program's greedy tokens differ from PeftModel.generate:\n  "
-                         + "\n  ".join(bad))
+        check = verdicts.add(check_tokens(f"slots:{name}", tokens, references[name], f"PEFT {name!r}"))
+        checks.append(f"slot program, set_adapter({name!r}): {check.matching}/{check.compared} {check.outputs}")
+    if not verdicts.ok:  # the slot program is the subject: time nothing else when it is wrong
+        print("\n".join(checks))
+        return finish("lora", args, verdicts, {}, started, reference_tokens=references)
     base_runner = etblocks.Runner(base_result.path)
     merged_runners = {name: etblocks.Runner(result.path) for name, (result, _) in merged.items()}
-    for label, runner, ref in [("base-only program", base_runner, None),
-                               *((f"merged {n} program", r, n) for n, r in merged_runners.items())]:
+    for key, label, runner, ref in [("base", "base-only program", base_runner, None),
+                                    *((f"merged:{n}", f"merged {n} program", r, n) for n, r in merged_runners.items())]:
         tokens = runner.generate(bench.prompt, max_new_tokens=args.check_tokens, eos=[])
-        warn = "" if tokens == references[ref] else "  (WARNING: differs from PEFT)"
-        checks.append(f"{label} vs PEFT {ref!r}: {_matching_prefix(tokens, references[ref])}/{len(tokens)}{warn}")
+        check = verdicts.add(check_tokens(key, tokens, references[ref], f"PEFT {ref!r}"))
+        checks.append(f"{label} vs PEFT {ref!r}: {check.matching}/{check.compared}"
+                      + ("" if check.ok else f" (differs at index {check.first_difference})"))
     checks.append("PEFT references: " + ", ".join(f"{k!r} {v}" for k, v in references.items()))
     if same:
         checks.append(f"WARNING: PEFT gives the same tokens for {same}: the check cannot tell those apart")
@@ -615,9 +586,22 @@ def run(args: argparse.Namespace, shape: Shape, bench: Bench, started: float) ->
     delegations = [("base-only forward", str(base_result.delegations["forward"])),
                    ("slot program forward", str(slot_result.delegations["forward"])),
                    ("slot program set_adapter", str(slot_result.delegations["set_adapter"]))]
-    print_report(args, shape, bench, programs, references, checks, sizes, slots_probe, programs_probe, delegations,
-                 started)
-    return 0
+    for p in programs:
+        verdicts.add(check_tokens(p.key, p.tokens, references[p.reference], f"PEFT {p.reference!r}"))
+    report = io.StringIO()
+    with contextlib.redirect_stdout(report):
+        print_report(args, shape, bench, programs, references, checks, sizes, slots_probe, programs_probe,
+                     delegations, started)
+    print(report.getvalue(), end="")
+    records = [{"key": p.key, "name": p.label, "adapter": p.adapter, "export_s": p.export_s, "pte_mb": p.pte_mb,
+                "tokens": p.tokens, "timings": {"decode_tps": spread_record(p.decode_runs),
+                                                "prefill_tps": spread_record(p.prefill_runs)}} for p in programs]
+    switch_ms = {name: spread_record(ms) for name, ms in slots_probe["switch_ms"].items()}
+    load_ms = {kind: spread_record(ms) for kind, ms in programs_probe["load_ms"].items()}
+    return finish("lora", args, verdicts, {"lora": report.getvalue().strip()}, started, prompt=bench.prompt,
+                  reference_tokens={str(k): v for k, v in references.items()}, rows=records, sizes=sizes,
+                  switch_ms=switch_ms, load_ms=load_ms, memory={"slots": slots_probe["points"],
+                                                                "programs": programs_probe["points"]})
 
 
 if __name__ == "__main__":

@@ -1,21 +1,17 @@
-"""MLA: what the latent cache saves, and how decode cost grows with the context.
+"""MLA: the latent cache's bytes, and decode time against the context (absorbed, expanded, transformers eager).
 
-Part 1, KV-cache bytes per token and layer at DeepSeek-V3's attention dimensions (128 heads, kv_lora_rank 512,
-qk_rope_head_dim 64, qk_nope_head_dim 128, v_head_dim 128, bf16), read off real cache buffers: the etblocks latent
-cache (what `etblocks.swap` builds for DeepSeek) against a full per-head K/V cache of the same attention.
+Part 1: KV-cache bytes per token and layer at DeepSeek-V3's attention dimensions (bf16), read off real cache buffers:
+etblocks' latent cache against a full per-head K/V cache. Part 2: decode ms per token at each `--contexts` length on
+a small DeepSeek-V3-shaped model (random weights, fp32): (a) etblocks absorbed (W_UK folded into the query), (b)
+etblocks expanded (kv_b_proj re-expands the cached latents every step), both exported to XNNPACK with a cache of
+exactly the context plus the timed steps, and (c) transformers eager. Every row's greedy tokens (prefill, then
+`--steps` steps) must equal transformers' `generate()` before the row is timed: rows (a) and (b) set `absorb` on the
+swapped blocks after the swap's probe, so their programs are checked here, and a row that disagrees is not timed and
+the script exits 1. Rows are timed in `--rounds` interleaved rounds; cells are medians [min-max] of the rounds.
+Results: benchmarks/results/mla.json.
 
-Part 2, decode time per token at contexts 64, 256 and 1024 on a small DeepSeek-V3-shaped model (random weights,
-fp32, dense layers), side by side:
-  a  etblocks, exported to XNNPACK, absorbed attention (W_UK folded into the query; the latent is never expanded)
-  b  etblocks, exported to XNNPACK, expanded attention (kv_b_proj re-expands every cached latent each step)
-  c  transformers eager with its own cache (caches the latent, re-expands the whole cache each step)
-Rows a and b are exported once per context with a cache of exactly that context (plus the timed steps): a
-static cache is attended or expanded over all its rows. Each context is filled by a prefill, then `--steps`
-greedy decode steps are timed; rows are interleaved in `--rounds` rounds and the median per token is
-reported, with each row's growth from the shortest to the longest context and its ratio to row a.
-
-    python benchmarks/mla.py               # full run (a few minutes)
-    python benchmarks/mla.py --layers 1 --contexts 64,256 --rounds 1   # smoke run
+    python benchmarks/mla.py            # 4 layers, contexts 64, 256, 1024
+    python benchmarks/mla.py --smoke    # 1 layer, contexts 16 and 32, 1 round
 """
 
 from __future__ import annotations
@@ -23,8 +19,10 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -32,6 +30,17 @@ import torch
 import etblocks
 from etblocks.attention.mla import MLAttention
 from etblocks.state import StaticKVCache
+
+from harness import (  # benchmarks/ is not a package: Python puts this script's folder first on sys.path
+    Checks,
+    add_run_args,
+    aligned_table,
+    check_tokens,
+    finish,
+    parse_with_smoke,
+    spread,
+    spread_record,
+)
 
 V3_ATTENTION = dict(n_heads=128, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
 
@@ -76,16 +85,18 @@ class ExportedRow:
         self.export_s = time.perf_counter() - start
         self.runner = etblocks.Runner(self.result.path)
 
-    def time_decode(self, prompt: list[int], steps: int) -> float:
+    def time_decode(self, prompt: list[int], steps: int) -> tuple[float, list[int]]:
+        """Prefill, then `steps` timed greedy steps: the median seconds per step and the greedy tokens (the
+        prefill's and one per step)."""
         self.runner.reset()
         logits = self.runner.forward(prompt)
-        times = []
+        times, tokens = [], [int(torch.argmax(logits))]
         for _ in range(steps):
-            token = int(torch.argmax(logits))
             start = time.perf_counter()
-            logits = self.runner.forward([token])
+            logits = self.runner.forward([tokens[-1]])
             times.append(time.perf_counter() - start)
-        return statistics.median(times)
+            tokens.append(int(torch.argmax(logits)))
+        return statistics.median(times), tokens
 
 
 class EagerRow:
@@ -93,68 +104,106 @@ class EagerRow:
         self.model = model
 
     @torch.no_grad()
-    def time_decode(self, prompt: list[int], steps: int) -> float:
+    def time_decode(self, prompt: list[int], steps: int) -> tuple[float, list[int]]:
         out = self.model(torch.tensor([prompt]), use_cache=True)
-        cache, times = out.past_key_values, []
+        cache, times, tokens = out.past_key_values, [], [int(out.logits[0, -1].argmax())]
         for _ in range(steps):
-            token = out.logits[:, -1:].argmax(-1)
             start = time.perf_counter()
-            out = self.model(token, past_key_values=cache, use_cache=True)
+            out = self.model(torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True)
             times.append(time.perf_counter() - start)
             cache = out.past_key_values
-        return statistics.median(times)
+            tokens.append(int(out.logits[0, -1].argmax()))
+        return statistics.median(times), tokens
 
 
-def main(argv: list[str] | None = None) -> None:
+@torch.no_grad()
+def reference_tokens(model, prompt: list[int], steps: int) -> list[int]:
+    """transformers' greedy `generate()`: the prefill's token and one per decode step."""
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps + 1, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+SMOKE = {"layers": 1, "contexts": "16,32", "steps": 4, "rounds": 1}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    started = time.perf_counter()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--contexts", default="64,256,1024")
     parser.add_argument("--steps", type=int, default=16, help="timed decode steps per context and round")
     parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args(argv)
+    add_run_args(parser, "mla", SMOKE)
+    args = parse_with_smoke(parser, argv, SMOKE)
     contexts = [int(c) for c in args.contexts.split(",")]
 
     latent, full = cache_bytes_per_token()
     a = V3_ATTENTION
-    print(
+    cache_lines = [
         f"KV cache per token and layer, DeepSeek-V3 attention ({a['n_heads']} heads, kv_lora_rank {a['kv_lora_rank']}, "
-        f"rope {a['qk_rope_head_dim']}, nope {a['qk_nope_head_dim']}, v {a['v_head_dim']}), bf16:"
-    )
-    print(f"  etblocks latent cache    {latent:>7} bytes")
-    print(f"  full per-head K/V cache  {full:>7} bytes  ({full / latent:.1f}x the latent)")
-    print(f"  61 layers x 4096 tokens: {61 * 4096 * latent / 2**30:.2f} GiB vs {61 * 4096 * full / 2**30:.2f} GiB\n")
+        f"rope {a['qk_rope_head_dim']}, nope {a['qk_nope_head_dim']}, v {a['v_head_dim']}), bf16:",
+        f"  etblocks latent cache    {latent:>7} bytes",
+        f"  full per-head K/V cache  {full:>7} bytes  ({full / latent:.1f}x the latent)",
+        f"  61 layers x 4096 tokens: {61 * 4096 * latent / 2**30:.2f} GiB vs {61 * 4096 * full / 2**30:.2f} GiB",
+    ]
+    print("\n".join(cache_lines) + "\n")
 
     # Each exported program's cache holds exactly the context plus the timed steps: a static cache is attended
     # (absorbed) or expanded (non-absorbed) over all its rows, so its length is the context being measured.
     base = small_model(args.layers, max_positions=max(contexts) + args.steps + 1)
     vocab = base.config.vocab_size
-    paths = {"a etblocks absorbed (xnnpack)": True, "b etblocks expanded (xnnpack)": False}
+    generator = torch.Generator().manual_seed(0)
+    prompts = {c: torch.randint(3, vocab, (c,), generator=generator).tolist() for c in contexts}
+    references = {c: reference_tokens(base, prompts[c], args.steps) for c in contexts}
+    paths = {"a": ("etblocks absorbed (xnnpack)", True), "b": ("etblocks expanded (xnnpack)", False)}
+    names = {key: name for key, (name, _) in paths.items()} | {"c": "transformers eager"}
+    checks = Checks()
+    samples: dict[str, dict[int, list[float]]] = {key: {c: [] for c in contexts} for key in names}
+    tokens: dict[str, dict[int, list[int]]] = {key: {} for key in names}
     with tempfile.TemporaryDirectory() as tmp:
-        rows = {
-            (name, c): ExportedRow(copy.deepcopy(base), absorb, c + args.steps + 1, Path(tmp) / f"{absorb}_{c}.pte")
-            for name, absorb in paths.items()
-            for c in contexts
-        }
-        rows.update({("c transformers eager", c): EagerRow(base) for c in contexts})
-        generator = torch.Generator().manual_seed(0)
-        prompts = {c: torch.randint(3, vocab, (c,), generator=generator).tolist() for c in contexts}
-        samples: dict[str, dict[int, list[float]]] = {}
+        rows = {}
+        for key, (name, absorb) in paths.items():
+            for c in contexts:
+                try:
+                    rows[key, c] = ExportedRow(copy.deepcopy(base), absorb, c + args.steps + 1,
+                                               Path(tmp) / f"{absorb}_{c}.pte")
+                except Exception as e:  # one broken row must not hide the others
+                    checks.fail(f"({key}) {name}, context {c}: export failed: {type(e).__name__}: {e}")
+        rows.update({("c", c): EagerRow(base) for c in contexts})
+        # The check, untimed, before any timing: a program made with `absorb` set after the swap's probe is timed
+        # only once its greedy tokens equal transformers'.
+        for (key, c), row in list(rows.items()):
+            _, tokens[key][c] = row.time_decode(prompts[c], args.steps)
+            if not checks.add(check_tokens(f"{key}@{c}", tokens[key][c], references[c], "transformers")).ok:
+                del rows[key, c]
         for _ in range(args.rounds):
-            for (name, context), row in rows.items():
-                samples.setdefault(name, {}).setdefault(context, []).append(row.time_decode(prompts[context], args.steps))
+            for (key, c), row in rows.items():
+                samples[key][c].append(1e3 * row.time_decode(prompts[c], args.steps)[0])
 
-    medians = {name: {c: statistics.median(v) * 1e3 for c, v in per.items()} for name, per in samples.items()}
+    medians = {key: {c: statistics.median(v) if v else None for c, v in per.items()} for key, per in samples.items()}
     first, last = contexts[0], contexts[-1]
-    reference = medians["a etblocks absorbed (xnnpack)"]
-    print(
-        f"decode ms/token on a {args.layers}-layer DeepSeek-V3-shaped model (hidden 512, 16 heads, kv_lora_rank 256), "
-        f"medians of {args.rounds} rounds x {args.steps} steps; (ratio to a)"
-    )
-    print(f"{'path':32}" + "".join(f"{'ctx ' + str(c):>18}" for c in contexts) + f"{'growth ' + str(first) + '->' + str(last):>20}")
-    for name, per in medians.items():
-        cells = "".join(f"{per[c]:>9.2f} ({per[c] / reference[c]:>4.1f}x)" for c in contexts)
-        print(f"{name:32}{cells}{per[last] / per[first]:>19.2f}x")
+    reference = medians["a"]
+    title = (f"decode ms/token on a {args.layers}-layer DeepSeek-V3-shaped model (hidden 512, 16 heads, kv_lora_rank "
+             f"256), medians [min-max] of {args.rounds} rounds, each the median of {args.steps} steps; (ratio to a)")
+    lines = []
+    for key, per in samples.items():
+        cells = []
+        for c in contexts:
+            ms, ref = medians[key][c], reference[c]
+            cells.append("not timed" if ms is None else
+                         f"{spread(per[c], '.2f')} ({ms / ref:.1f}x)" if ref else spread(per[c], ".2f"))
+        growth = medians[key][last] / medians[key][first] if medians[key][last] and medians[key][first] else None
+        lines.append([f"({key}) {names[key]}", *cells, "-" if growth is None else f"{growth:.2f}x"])
+    table = aligned_table(["path", *(f"ctx {c}" for c in contexts), f"growth {first}->{last}"], lines)
+    print(title)
+    print(table)
+    records = [{"key": key, "name": names[key], "context": c, "tokens": tokens[key].get(c),
+                "timings": {"decode_ms": spread_record(samples[key][c])}} for key in names for c in contexts]
+    return finish("mla", args, checks, {"cache": "\n".join(cache_lines), "decode": f"{title}\n{table}"}, started,
+                  cache_bytes_per_token={"latent": latent, "full": full}, reference_tokens=references,
+                  rows=records)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

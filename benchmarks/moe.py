@@ -1,28 +1,19 @@
 """MoE decode cost against the number of experts: etblocks' gather and dense strategies vs transformers' export.
 
-A small random Qwen3-MoE model (4 layers, hidden 256, expert intermediate 512, vocab 1024, top-2 routing, fp32,
-seed 0 for every expert count) is built with 8, 16, 32 and 64 experts and turned into three XNNPACK programs per
-expert count:
+A small random Qwen3-MoE model (4 layers, hidden 256, expert intermediate 512, vocab 1024, top-2 routing, fp32) is
+built with each `--experts` count and exported three ways to XNNPACK: `gather` (swap(moe="gather"): each token reads
+its top-k experts), `dense` (swap(moe="dense"): every expert on every token) and transformers' own export
+(`batched_mm` experts, `TorchExportableModuleForDecoderOnlyLM`). Every program's first greedy tokens must equal
+transformers' `generate()` on the same model before it is timed; one that disagrees is not timed and the script
+exits 1. Decode is a T=1 step at a fixed position after a 16-token prefill, fed a seeded token stream (routing
+changes every step); programs are timed in `--rounds` interleaved rounds; cells are medians [min-max] of each
+round's median ms per step, ratios medians of per-round ratios. Ends with PASS/FAIL on the gather strategy's growth
+from the fewest to the most experts (< 1.3x) and what each program leaves on CPU. Results:
+benchmarks/results/moe.json.
 
-  gather        etblocks.swap(moe="gather") + etblocks.export: each token reads only its top-k experts' weights
-  dense         etblocks.swap(moe="dense") + etblocks.export: every expert runs on every token, weighted by the router
-  transformers  transformers' own export: experts set to `batched_mm` (ExpertsInterface; the default `grouped_mm`
-                does not lower, `eager` does not export), `TorchExportableModuleForDecoderOnlyLM` (static cache,
-                strict export, `forward(input_ids [1,1], cache_position [1])`), lowered with XnnpackPartitioner
-
-Before timing, every program's first greedy tokens (prefill of the prompt, then greedy decode) are checked against
-transformers `generate()` on the same model. Decode is one T=1 forward at a fixed position right after a
-16-token prefill: the position stays put (so attention costs the same every step) while the token changes (a
-seeded random stream shared by all programs, so routing, and so the expert weights read, changes every step).
-All programs are exported and loaded first, then timed in `--rounds` interleaved rounds (every expert count and
-program once per round: re-prefill, `--warmup` untimed steps, `--steps` timed steps); a cell is the median over
-rounds of each round's median ms per step, and the ratios are medians of per-round ratios (programs timed in one
-round share the host's load). The run ends with PASS/FAIL on the requirement that the gather strategy's decode
-cost grows by less than 1.3x from the fewest to the most experts, and with what each program leaves on CPU.
-
-    python benchmarks/moe.py            # 8, 16, 32, 64 experts (about 7 minutes on 2 cores)
-    python benchmarks/moe.py --quick    # 8 and 64 experts, 20 steps, 2 rounds (about 3 minutes)
-    python benchmarks/moe.py --experts 8,32 --layers 2 --steps 20
+    python benchmarks/moe.py            # 8, 16, 32, 64 experts
+    python benchmarks/moe.py --quick    # 8 and 64 experts, 20 steps, 2 rounds
+    python benchmarks/moe.py --smoke    # 4 and 8 experts, 1 layer, 1 round
 """
 
 from __future__ import annotations
@@ -43,7 +34,21 @@ from typing import Any
 
 import torch
 
-from decode import TokensPosDriver, _matching_prefix, lower_to_xnnpack, pte_megabytes
+from harness import (  # benchmarks/ is not a package: Python puts this script's folder first on sys.path
+    Checks,
+    TokensPosDriver,
+    add_run_args,
+    aligned_table,
+    check_tokens,
+    finish,
+    lower_to_xnnpack,
+    matching_prefix,
+    paired_median,
+    parse_with_smoke,
+    pte_megabytes,
+    spread,
+    spread_record,
+)
 
 STRATEGIES = ("gather", "dense")
 PATHS = (*STRATEGIES, "transformers")
@@ -204,9 +209,7 @@ def time_round(program: Program, prompt: list[int], stream: list[int], warmup: i
 
 def paired(a: Program | None, b: Program | None) -> float | None:
     """Median over rounds of a's ms / b's ms (rounds run the programs back to back, under the same load)."""
-    if a is None or b is None or not a.round_ms or len(a.round_ms) != len(b.round_ms):
-        return None
-    return statistics.median(x / y for x, y in zip(a.round_ms, b.round_ms))
+    return paired_median(a.round_ms, b.round_ms) if a is not None and b is not None else None
 
 
 def format_table(programs: dict[tuple[int, str], Program], experts: list[int]) -> str:
@@ -217,7 +220,7 @@ def format_table(programs: dict[tuple[int, str], Program], experts: list[int]) -
         cells = [str(e)]
         for path in PATHS:
             p = programs[e, path]
-            cells.append(f"{p.ms:.2f}" if p.ms is not None else p.status)
+            cells.append(spread(p.round_ms, ".2f") if p.round_ms else p.status)
         tf = programs[e, "transformers"]
         for strategy in STRATEGIES:
             ratio = paired(programs[e, strategy], tf)
@@ -230,17 +233,10 @@ def format_table(programs: dict[tuple[int, str], Program], experts: list[int]) -
             ratio = paired(programs[e, path], programs[first, path])
             cells.append("-" if ratio is None else f"{ratio:.2f}x")
         rows.append(cells + ["", ""])
-    widths = [max(len(headers[i]), *(len(r[i]) for r in rows)) for i in range(len(headers))]
+    return aligned_table(headers, rows)
 
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
-    out = [line(headers), line(["-" * w for w in widths])]
-    for i, r in enumerate(rows):
-        if i == len(experts):
-            out.append(line(["-" * w for w in widths]))
-        out.append(line(r))
-    return "\n".join(out)
+SMOKE = {"experts": "4,8", "layers": 1, "steps": 4, "warmup": 1, "rounds": 1}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -254,7 +250,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", type=Path, default=None,
                         help="where the .pte files go (kept); default: a temp dir, deleted at the end")
-    args = parser.parse_args(argv)
+    add_run_args(parser, "moe", SMOKE)
+    args = parse_with_smoke(parser, argv, SMOKE)
     args.experts = [int(e) for e in (args.experts or ("8,64" if args.quick else "8,16,32,64")).split(",")]
     args.steps = args.steps or (20 if args.quick else 40)
     args.rounds = args.rounds or (2 if args.quick else 3)
@@ -273,12 +270,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     programs: dict[tuple[int, str], Program] = {}
     references: dict[int, list[int]] = {}
+    checks = Checks()
     try:
         for e in args.experts:
             base = build_model(shape, e, args.seed)
             references[e] = hf_greedy(base, prompt, shape.check_tokens)
             for path in PATHS:
-                programs[e, path] = prepare(path, e, base, shape, prompt, references[e], out_dir)
+                program = programs[e, path] = prepare(path, e, base, shape, prompt, references[e], out_dir)
+                if program.status != "ok":
+                    checks.fail(f"{e} experts, {path}: {program.status}")
+                    continue
+                if not checks.add(check_tokens(f"{path}@{e}", program.tokens, references[e], "transformers")).ok:
+                    program.status = "wrong tokens: not timed"
+                    program.driver = None
             del base
             gc.collect()
         for r in range(args.rounds):
@@ -291,6 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     traceback.print_exc()
                     p.status = f"failed while timing: {type(ex).__name__}"
                     p.round_ms.clear()
+                    checks.fail(f"{e} experts, {path}: {p.status}")
                     continue
                 print(f"[moe bench] round {r + 1}/{args.rounds}, {e} experts, {path}: {p.round_ms[-1]:.2f} ms",
                       file=sys.stderr, flush=True)
@@ -303,34 +308,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     from executorch.extension.pybindings.portable_lib import _threadpool_get_thread_count
 
     s = shape
-    print(f"\nMoE decode ms per token, Qwen3-MoE shape: {s.layers} layers, hidden {s.hidden}, {s.heads}/{s.kv_heads} "
-          f"heads (head_dim {s.head_dim}), expert intermediate {s.expert_intermediate}, top-{s.top_k}, vocab "
-          f"{s.vocab}, fp32, random weights (seed {args.seed}), XNNPACK")
-    print(f"T=1 at position {s.prompt_len} after a {s.prompt_len}-token prefill; cells are medians of {args.rounds} "
-          f"interleaved rounds x {args.steps} steps ({args.warmup} warmup); ratios are medians of per-round ratios; "
-          f"torch {torch.__version__}, {_threadpool_get_thread_count()} ExecuTorch threads\n")
-    print(format_table(programs, args.experts))
+    header = (f"MoE decode ms per token, Qwen3-MoE shape: {s.layers} layers, hidden {s.hidden}, {s.heads}/{s.kv_heads} "
+              f"heads (head_dim {s.head_dim}), expert intermediate {s.expert_intermediate}, top-{s.top_k}, vocab "
+              f"{s.vocab}, fp32, random weights (seed {args.seed}), XNNPACK\nT=1 at position {s.prompt_len} after a "
+              f"{s.prompt_len}-token prefill; cells are medians of {args.rounds} interleaved rounds x {args.steps} steps "
+              f"({args.warmup} warmup) [min-max]; ratios are medians of per-round ratios; torch {torch.__version__}, "
+              f"{_threadpool_get_thread_count()} ExecuTorch threads\n")
+    table = format_table(programs, args.experts)
+    print("\n" + header)
+    print(table)
 
-    print(f"\ngreedy check: first {s.check_tokens} tokens vs transformers generate() on the same model")
+    greedy_lines = [f"greedy check: first {s.check_tokens} tokens vs transformers generate() on the same model"]
     for e in args.experts:
         cells = []
         for path in PATHS:
             p = programs[e, path]
-            n = _matching_prefix(p.tokens, references[e])
-            cells.append(f"{path} {n}/{len(references[e])}" if p.status == "ok" or p.tokens else f"{path} -")
-        print(f"  {e:>3} experts: " + ", ".join(cells))
-    bad = [f"{e}/{path}" for (e, path), p in programs.items()
-           if path in STRATEGIES and p.status == "ok" and p.tokens != references[e]]
-    if bad:
-        print(f"  WARNING: etblocks programs disagree with transformers: {', '.join(bad)}")
+            n = matching_prefix(p.tokens, references[e])
+            cells.append(f"{path} {n}/{len(references[e])}" if p.tokens else f"{path} -")
+        greedy_lines.append(f"  {e:>3} experts: " + ", ".join(cells))
+    print("\n" + "\n".join(greedy_lines))
 
-    print("\nexport+lower s / .pte MB")
+    export_lines = ["export+lower s / .pte MB"]
     for e in args.experts:
         cells = [f"{path} {_num(programs[e, path].export_s, '.0f')} s / {_num(programs[e, path].pte_mb, '.0f')} MB"
                  for path in PATHS]
-        print(f"  {e:>3} experts: " + ", ".join(cells))
+        export_lines.append(f"  {e:>3} experts: " + ", ".join(cells))
+    print("\n" + "\n".join(export_lines))
 
-    print("\ndelegation (XNNPACK partitions and ops left on the portable CPU kernels):")
+    delegation_lines = ["delegation (XNNPACK partitions and ops left on the portable CPU kernels):"]
     for path in PATHS:
         seen: dict[str, list[int]] = {}
         for e in args.experts:
@@ -338,7 +343,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if p.delegation is not None:
                 seen.setdefault(str(p.delegation), []).append(e)
         for text, es in seen.items():
-            print(f"  {path} ({', '.join(map(str, es))} experts): {text}")
+            delegation_lines.append(f"  {path} ({', '.join(map(str, es))} experts): {text}")
+    print("\n" + "\n".join(delegation_lines))
 
     first, last = args.experts[0], args.experts[-1]
     growth = paired(programs[last, "gather"], programs[first, "gather"])
@@ -350,8 +356,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         verdict = (f"  {'PASS' if growth < GROWTH_LIMIT else 'FAIL'}  etblocks gather decode growth {first}->{last} "
                    f"experts: {growth:.2f}x (goal < {GROWTH_LIMIT}x)")
     print("\nrequirement:\n" + verdict)
-    print(f"\n(total {time.perf_counter() - start:.0f} s)")
-    return 0
+    records = [{"experts": e, "path": path, "status": p.status, "export_s": p.export_s, "pte_mb": p.pte_mb,
+                "delegation": None if p.delegation is None else str(p.delegation), "tokens": p.tokens,
+                "timings": {"decode_ms": spread_record(p.round_ms)}} for (e, path), p in programs.items()]
+    tables = {"moe": "\n".join([header, table, "", *greedy_lines, "", *export_lines, "", *delegation_lines, "",
+                                 "requirement:", verdict])}
+    return finish("moe", args, checks, tables, start, prompt=prompt, stream=stream, reference_tokens=references,
+                  gather_growth=growth, rows=records)
 
 
 def _num(value: float | None, spec: str) -> str:

@@ -1,98 +1,25 @@
-"""Quantization options side by side: speed on the SmolLM2-135M shape, accuracy on a small model trained here.
+"""Quantization options side by side: decode speed on the SmolLM2-135M shape, accuracy on a small model trained here.
 
-Options (the same letters in both tables; `--rows` picks some):
+Options (`--rows`): (a) fp32, (b) fp32 + int8 KV cache, (c) 8da8w, (d) 8da8w + int8 KV, (e) 8da4w (groups of 32),
+(f) 8da4w + int8 KV, (g) 8da4w + int8 embedding. Speed: each option swapped and exported from a random-weight
+transformers Llama and timed as decode.py times (`harness`: fresh process, interleaved rounds, medians [min-max]),
+with each row's roofline from the bytes a decode step reads (`harness.bytes_per_token`: the linears as quantized,
+the lm_head, the KV cache at the mean decode position) and PASS/FAIL on 8da4w reaching 50% of it. Tokens: each row's
+greedy tokens against the fp32 transformers model's `generate()`: fp32 rows must agree on all, quantized rows on the
+first `--quantized-min-match` (random weights give flat distributions, which quantization tips); otherwise the
+script exits 1. Accuracy: a small Llama trained for `--train-steps` on a synthetic corpus with learnable structure
+(words, bigram order, copied spans), each option's program compared with the fp32 program by
+`etblocks.export.next_token_agreement` (top-1 agreement, KL); row (a) compares the fp32 program with eager. Results:
+benchmarks/results/quant.json.
 
-  a  fp32                      etblocks.swap(model, "xnnpack") + etblocks.export()
-  b  fp32, int8 KV             swap(kv_quantize="int8"): int8 cache, one scale and zero point per token and KV head,
-                               read by ExecuTorch's `llama::custom_quantized_sdpa`
-  c  8da8w                     export(quantize_weights="8da8w"): int8 weights per output channel, int8 dynamic activations
-  d  8da8w, int8 KV            c + b
-  e  8da4w                     export(quantize_weights="8da4w", group_size=32): int4 weights in groups of 32
-  f  8da4w, int8 KV            e + b
-  g  8da4w, int8 embedding     e + export(quantize_embedding="int8")
-
-Speed (`decode.py`'s machinery): a transformers Llama at the SmolLM2-135M shape (30 layers, random weights, fp32)
-swapped and exported per option; all programs are loaded anew in a fresh process (`decode.time_in_fresh_process`
-says why) and warmed up, then timed there in `--rounds` interleaved rounds
-(a, b, ..., g, a, b, ...), each a prefill of the `--prompt-len`-token prompt and `--decode-steps` greedy decode
-steps (each row runs one untimed prefill right before its timed one, as torchtune_decode.py explains); medians
-[min-max]. Columns: decode and prefill tok/s, export+lower s (swap + quantize + export + lowering), .pte MB, their
-ratios to (a), decode as % of the row's own memory roofline, the MB the row reads per decoded token (below), and
-how many greedy tokens equal the fp32 transformers model's (random weights: quantization can change them).
-
-Roofline: read bandwidth (sampled every round, as decode.py) / the bytes one decode step reads, per row:
-
-    bytes/token = layers * sum over q,k,v,o,gate,up,down of W(out, in) + W(vocab, hidden) [lm_head]
-                  + kv_bytes_per_position * (prompt + (decode_steps + 1) / 2)
-    W(out, in)  = 4 * out * in                          fp32
-                = out * in + 4 * out                    8da8w: int8 data, one fp32 scale per output channel
-                = out * in / 2 + 2 * out * in / 32      8da4w: two int4 per byte, one bf16 scale per group of 32
-
-The scale dtypes are how ExecuTorch 1.5.1 serialises them for XNNPACK (`backends/xnnpack/operators/
-node_visitor.py`: per-channel-group scales cast to bf16, per-channel ones kept fp32); XNNPACK's packed layout adds a
-few words per output channel (bias, sums) that are left out (<3% at these shapes), as are the embedding row, the
-norms and the activations. The lm_head is quantized like the other linears (`etblocks.export.weights` gives a tied
-one its own quantized weight; the .pte sizes agree with these counts plus the embedding). `kv_bytes_per_position` is
-measured, not assumed: the bytes per position of every cache buffer of a swapped one-layer model (fp32 keys and
-values: 2 * 3 heads * 64 * 4 B; int8: 2 * 3 * (64 + 4 + 1) B with the fp32 scale and int8 zero point) times the
-layers; a decode step at position p reads the p + 1 cached positions (custom SDPA reads no further), and the
-prompt + (steps + 1) / 2 is their mean over the timed steps. The target (PASS/FAIL) is judged on the median of
-per-round ratios of decode tok/s to that round's roofline.
-
-Accuracy: a small Llama (4 layers, hidden 256, 4/2 heads, intermediate 768, vocab 512, context 128) trained here
-for `--train-steps` AdamW steps on a synthetic corpus with structure a model can learn: words of 2-5 tokens from
-a fixed lexicon (deterministic spelling: peaked distributions), word order from a sparse random bigram model
-(moderately peaked), and spans of earlier words repeated (copying: only attention over the KV cache predicts them,
-so a quantized cache shows). Its held-out loss is printed beside a unigram model's and the generator's entropy.
-Every option is swapped and exported from the trained model and compared with the fp32 program by
-`etblocks.export.next_token_agreement` on `--accuracy-sequences` held-out sequences of 128 tokens: a prefill of
-`--accuracy-prefill` tokens, then one token per call, the next-token distributions compared after every call.
-Columns: top-1 agreement (fraction of positions whose argmax agrees), mean, 99th percentile and max of KL(P_fp32 ||
-P_option) in nats, and the positions compared. Row (a) compares the fp32 program with the eager transformers model
-(no cache, whole sequence every call): the sanity row, about 1.0 and 0.
-
-    python benchmarks/quant.py        # full run: 14 exports (7 at 30 layers) and 300 training steps, 45-65 min
-    python benchmarks/quant.py --layers 2 --rounds 2 --train-steps 10 --accuracy-sequences 4   # smoke run, ~10 min
-
-`--layers` sets the speed model's layers only; the accuracy model is always the one above.
-
-Full default run (etblocks 5beaa73, this project's 2-core machine, 61 min; read bandwidth 51.0 GB/s median of the
-rounds [26.9-57.4], against 31-36 GB/s in earlier runs, so the %roof column came out low):
-
-    row                        decode tok/s         prefill tok/s    export s  .pte MB  decode/(a)  %roof  MB/token
-    (a) fp32                      47.4 [44.0-59.6]     467 [358-560]        189      652       1.00x    50%     541.6
-    (b) fp32, int8 KV             43.1 [40.9-52.2]     294 [256-335]        225      652       0.91x    45%     538.9
-    (c) 8da8w                    124.7 [113.5-135.3]   943 [634-1104]       410      249       2.63x    34%     139.0
-    (d) 8da8w, int8 KV            86.9 [79.0-101.8]    451 [361-510]        470      249       1.83x    23%     136.3
-    (e) 8da4w                    157.1 [147.5-197.9]   923 [725-1052]       416      189       3.31x    24%      79.4
-    (f) 8da4w, int8 KV           106.6 [101.8-125.9]   449 [407-512]        444      189       2.25x    16%      76.6
-    (g) 8da4w, int8 embedding    163.6 [149.9-203.4]   833 [685-1146]       435      105       3.45x    25%      79.4
-    FAIL  (e) 8da4w decode % of its roofline: 27% (median of per-round ratios; goal >= 50%)
-    (an (e) program exported earlier, timed alone in a fresh process right after: 4.7-5.9 ms a step at 29-33 GB/s,
-    44-51%; benchmarks/decode_profile.py profiles (e) beside ExecuTorch's own 8da4w export, and
-    benchmarks/step_breakdown.py times its parts unprofiled: see their docstrings)
-
-    trained model: held-out loss 0.413 nats/token (unigram 5.719, uniform 6.238, generator's entropy 0.348)
-    option                     against      top-1 agree   mean KL    p99 KL    max KL  positions
-    (a) fp32                   eager fp32        1.0000  3.42e-13  4.49e-12  1.28e-11       1552
-    (b) fp32, int8 KV          (a) program       1.0000  2.21e-07  2.84e-06  3.32e-05       1552
-    (c) 8da8w                  (a) program       1.0000  1.70e-05  1.80e-04  4.34e-04       1552
-    (d) 8da8w, int8 KV         (a) program       0.9994  1.63e-05  1.63e-04  4.95e-04       1552
-    (e) 8da4w                  (a) program       0.9916  5.68e-04  4.98e-03  1.15e-02       1552
-    (f) 8da4w, int8 KV         (a) program       0.9910  5.69e-04  4.85e-03  1.28e-02       1552
-    (g) 8da4w, int8 embedding  (a) program       0.9910  5.70e-04  4.77e-03  1.16e-02       1552
-
-At context 256 the int8 KV cache costs decode speed in every row (0.92x, 0.83x, 0.66x): the cache read at the mean
-decode position is 3.7 MB of fp32 against 79-539 MB of weights, so its quantization on CPU (choose_qparams +
-quantize for K, V and the queries, in every layer) costs more than the bytes it saves; it pays in memory (3.8x
-smaller caches) and at long contexts.
+    python benchmarks/quant.py            # 30 layers, 300 training steps
+    python benchmarks/quant.py --smoke    # 1 layer, rows a and e, 5 training steps
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import gc
 import math
 import random
@@ -102,34 +29,40 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from decode import (  # benchmarks/ is not a package: Python puts this script's folder first on sys.path
+from harness import (  # benchmarks/ is not a package: Python puts this script's folder first on sys.path
     Bench,
+    Checks,
     Driver,
+    Option,
     PathSpec,
     Row,
     Shape,
-    _paired_median,
     aligned_table,
     argument_parser,
+    add_run_args,
     build_hf_model,
+    bytes_per_token,
+    check_rows,
     describe_run,
     eager_reference_tokens,
     export_with_etblocks,
+    finish,
     format_table,
     make_bench,
+    paired_median,
+    parse_with_smoke,
+    row_record,
     run_paths,
     select_paths,
+    spread_record,
 )
 
 import etblocks  # noqa: E402
 from etblocks.export.accuracy import AccuracyReport, EagerModel, next_token_agreement  # noqa: E402
-from etblocks.state import find_states  # noqa: E402
 
-GROUP_SIZE = 32
 BYTES_READ = "MB read/token"
 TARGET_KEY, TARGET_SHARE = "e", 0.5  # 8da4w decode >= 50% of its roofline
 _STARTED = time.perf_counter()
@@ -141,23 +74,6 @@ def log(message: str) -> None:
 
 # --------------------------------------------------------------------------------------------------
 # Options
-
-
-@dataclass(frozen=True)
-class Option:
-    """One quantization choice, as the keyword arguments it adds to `etblocks.swap` and `etblocks.export`."""
-
-    key: str
-    name: str
-    quantize: str | None = None  # export(quantize_weights=...): the linear weights
-    kv_quantize: str | None = None  # swap(kv_quantize=...)
-    quantize_embedding: str | None = None  # export(quantize_embedding=...)
-
-    def swap_options(self) -> dict[str, Any]:
-        return {"kv_quantize": self.kv_quantize}
-
-    def export_options(self) -> dict[str, Any]:
-        return {"quantize_weights": self.quantize, "group_size": GROUP_SIZE, "quantize_embedding": self.quantize_embedding}
 
 
 OPTIONS = (
@@ -175,44 +91,6 @@ REFERENCE = OPTIONS[0]  # fp32: what the accuracy table compares every other opt
 def swapped(model: torch.nn.Module, option: Option, max_seq_len: int) -> torch.nn.Module:
     """`model` swapped for XNNPACK with the option's cache (in place)."""
     return etblocks.swap(model, backend="xnnpack", max_seq_len=max_seq_len, **option.swap_options())
-
-
-# --------------------------------------------------------------------------------------------------
-# Roofline
-
-
-def linear_bytes(out_features: int, in_features: int, quantize: str | None, group_size: int = GROUP_SIZE) -> float:
-    """Bytes of one linear's weight as XNNPACK reads it (see the module docstring); `group_size`: 8da4w's groups."""
-    if quantize is None:
-        return 4 * out_features * in_features
-    if quantize == "8da8w":
-        return out_features * in_features + 4 * out_features
-    if quantize == "8da4w":
-        return out_features * in_features / 2 + 2 * out_features * in_features / group_size
-    raise ValueError(f"no byte count for quantize={quantize!r}")
-
-
-def weight_bytes_per_token(shape: Shape, quantize: str | None, group_size: int = GROUP_SIZE) -> float:
-    """Linear weights (every layer) plus the lm_head, quantized as `quantize` (`group_size`: 8da4w's groups) says."""
-    layer = sum(linear_bytes(out_features, in_features, quantize, group_size) for out_features, in_features in
-                shape.linear_shapes())
-    return shape.layers * layer + linear_bytes(shape.vocab, shape.hidden, quantize, group_size)
-
-
-@torch.no_grad()
-def kv_bytes_per_position(bench: Bench, option: Option) -> float:
-    """Bytes all layers' caches hold per position: every declared state tensor (keys, values, scales, zero points)
-    of a one-layer model swapped with the option, divided by its rows, times the layers."""
-    one_layer = dataclasses.replace(bench, shape=dataclasses.replace(bench.shape, layers=1))
-    model = swapped(build_hf_model(one_layer), option, bench.shape.max_seq_len)
-    per_layer = sum(spec.zeros().nbytes / spec.rows for state in find_states(model) for spec in state.specs())
-    return per_layer * bench.shape.layers
-
-
-def bytes_per_token(bench: Bench, option: Option) -> float:
-    """What one timed decode step reads on average: weights plus the cached positions (module docstring)."""
-    mean_positions = len(bench.prompt) + (bench.decode_steps + 1) / 2
-    return weight_bytes_per_token(bench.shape, option.quantize) + kv_bytes_per_position(bench, option) * mean_positions
 
 
 # --------------------------------------------------------------------------------------------------
@@ -237,7 +115,7 @@ def format_target(rows: Sequence[Row], bandwidths: Sequence[float], row_bytes: M
     """PASS/FAIL of "8da4w decode >= 50% of its roofline" on the median of per-round ratios."""
     row = next((r for r in rows if r.key == TARGET_KEY and r.status == "ok"), None)
     label = f"({TARGET_KEY}) 8da4w decode % of its roofline"
-    share = _paired_median(row.decode_runs, [b / row_bytes[TARGET_KEY] for b in bandwidths]) if row else None
+    share = paired_median(row.decode_runs, [b / row_bytes[TARGET_KEY] for b in bandwidths]) if row else None
     if share is None:
         return f"target (median of per-round ratios):\n  n/a   {label} (row ({TARGET_KEY}) has no figures)"
     verdict = "PASS" if share >= TARGET_SHARE else "FAIL"
@@ -426,15 +304,23 @@ def format_accuracy(options: Sequence[Option], reports: Mapping[str, AccuracyRep
 # Main
 
 
+SMOKE = {"layers": 1, "rows": "a,e", "rounds": 1, "decode_steps": 4, "prompt_len": 8, "max_seq_len": 32,
+         "train_steps": 5, "accuracy_sequences": 2}
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argument_parser(SPEED_PATHS, __doc__)
     parser.add_argument("--train-steps", type=int, default=300, help="AdamW steps of the accuracy model")
     parser.add_argument("--accuracy-sequences", type=int, default=16, help="held-out sequences compared")
     parser.add_argument("--accuracy-prefill", type=int, default=32, help="tokens fed in one call before decoding")
-    return parser.parse_args(argv)
+    parser.add_argument("--quantized-min-match", type=int, default=1,
+                        help="leading greedy tokens a quantized row must share with the fp32 model (fp32 rows: all)")
+    add_run_args(parser, "quant", SMOKE)
+    return parse_with_smoke(parser, argv, SMOKE)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    started = time.perf_counter()
     args = parse_args(argv)
     specs = select_paths(args.rows, SPEED_PATHS)
     options = [next(o for o in OPTIONS if o.key == spec.key) for spec in specs]
@@ -455,20 +341,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         row.extras[BYTES_READ] = f"{row_bytes[row.key] / 1e6:.1f}"
     rooflines = {key: statistics.median(bandwidths) / value for key, value in row_bytes.items()}
 
-    print(describe_run("Quantization options, XNNPACK", bench, bandwidths).rstrip("\n"))
-    print(f"each row's roofline: that bandwidth / its own {BYTES_READ} (weights as quantized + KV cache read at the "
-          f"mean decode position); see the docstring\n")
-    print(format_table(rows, rooflines, reference, reference_label="fp32", extra_headers=[BYTES_READ]))
-    print("notes:\n  tokens=fp32: leading greedy tokens equal to the fp32 transformers model's generate(); random "
-          "weights give flat distributions, which quantization tips early (the accuracy table below is on a trained "
-          "model)")
-    print(format_target(rows, bandwidths, row_bytes))
-    print(f"\naccuracy on the trained model, next-token distributions against fp32 over {args.accuracy_sequences} "
-          f"held-out sequences of {TRAINED_SHAPE.max_seq_len} tokens (prefill {args.accuracy_prefill}, then one "
-          f"token per call)")
-    print(trained)
-    print(format_accuracy(options, reports))
-    return 0
+    header = describe_run("Quantization options, XNNPACK", bench, bandwidths).rstrip("\n")
+    header += (f"\neach row's roofline: that bandwidth / its own {BYTES_READ} (weights as quantized + KV cache read at "
+               f"the mean decode position); see the docstring\n")
+    speed = format_table(rows, rooflines, reference, reference_label="fp32", extra_headers=[BYTES_READ])
+    notes = ("notes:\n  tokens=fp32: leading greedy tokens equal to the fp32 transformers model's generate(); random "
+             "weights give flat distributions, which quantization tips early (the accuracy table below is on a trained "
+             f"model): a quantized row must agree on the first {args.quantized_min_match}, an fp32 row on all")
+    target = format_target(rows, bandwidths, row_bytes)
+    accuracy_title = (f"accuracy on the trained model, next-token distributions against fp32 over "
+                      f"{args.accuracy_sequences} held-out sequences of {TRAINED_SHAPE.max_seq_len} tokens (prefill "
+                      f"{args.accuracy_prefill}, then one token per call)\n{trained}")
+    accuracy = format_accuracy(options, reports)
+    print(header)
+    print(speed)
+    print(notes)
+    print(target)
+    print("\n" + accuracy_title)
+    print(accuracy)
+
+    checks = Checks()
+    required = {o.key: args.quantized_min_match for o in options if not o.exact}
+    check_rows(checks, rows, reference, "eager fp32", required)
+    for option in options:
+        if isinstance(reports[option.key], str):
+            checks.fail(f"accuracy ({option.key}) {option.name}: {reports[option.key]}")
+    accuracy_records = {key: (report if isinstance(report, str) else {
+        "top1_agreement": report.top1_agreement, "mean_kl": report.mean_kl, "p99_kl": report.p99_kl,
+        "max_kl": report.max_kl, "positions": report.positions}) for key, report in reports.items()}
+    return finish("quant", args, checks, {"speed": "\n".join([header, speed, notes, target]),
+                                          "accuracy": f"{accuracy_title}\n{accuracy}"}, started,
+                  shape=vars(bench.shape), reference_tokens=reference, bytes_per_token=row_bytes,
+                  bandwidths_gbs=spread_record([b / 1e9 for b in bandwidths]), rows=[row_record(r) for r in rows],
+                  accuracy=accuracy_records)
 
 
 if __name__ == "__main__":

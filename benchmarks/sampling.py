@@ -1,23 +1,14 @@
 """Nucleus sampling's cost per token: etblocks' `sample` beside the textbook torch form, over a 49k vocabulary.
 
-Rows, both drawing from the same nucleus (`tests/export/test_sampling.py` checks etblocks' against the sorted
-definition):
+Rows: (a) `etblocks.export.runner.sample` (numpy: the nucleus from a partial sort of the top 256 tokens, or a sort of
+the probabilities' values when it is larger; one uniform draw through its CDF) and (b) torch's softmax, sort of the
+whole vocabulary, cumsum, masked_fill and multinomial. Per case (logits = N(0, 1) * scale; larger scale, smaller
+nucleus): the nucleus size and microseconds per token, medians [min-max] of `--rounds` interleaved rounds of
+`--draws` draws, and (b) / (a). Checked: every draw of both rows lies in the nucleus the whole-vocabulary sort
+defines, and (a)'s nucleus is that one; otherwise the script exits 1. Results: benchmarks/results/sampling.json.
 
-  a  etblocks.export.runner.sample   numpy: the nucleus from a partial sort of the top 256 tokens, or from a sort
-                                     of the probabilities' values when it is larger; one uniform draw through
-                                     the nucleus's CDF
-  b  torch sort + multinomial        softmax, a sort of the whole vocabulary, cumsum, masked_fill, multinomial
-                                     (what etblocks' Runner did before)
-
-Columns per case (logits = N(0, 1) * scale over the vocabulary; a larger scale is a more peaked distribution, a
-smaller nucleus): the nucleus size, microseconds per token (median of `--rounds` interleaved rounds of `--draws`
-draws) and (b) / (a).
-
-    python benchmarks/sampling.py                 # ~20 s
-
-Run here (2 vCPUs, numpy 2.3.5), microseconds per token, (a) / (b) / ratio: flat logits (scale 1, top_p 0.9,
-a 25k-token nucleus) 2663 / 5456 / 2.0x; scale 4, top_p 0.9 (90 tokens) 637 / 5291 / 8.3x; scale 12, top_p 0.9
-(3 tokens) 759 / 5852 / 7.7x; top_p 1 (no nucleus to find) 266-312 / 5291-5657 / 18-20x.
+    python benchmarks/sampling.py            # 6 cases, 5 rounds of 50 draws
+    python benchmarks/sampling.py --smoke    # 1 round of 5 draws
 """
 
 from __future__ import annotations
@@ -30,9 +21,19 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from decode import aligned_table  # benchmarks/ is not a package: Python puts this script's folder first on sys.path
+from harness import (  # benchmarks/ is not a package: Python puts this script's folder first on sys.path
+    Checks,
+    add_run_args,
+    aligned_table,
+    check_members,
+    check_values,
+    finish,
+    parse_with_smoke,
+    spread,
+    spread_record,
+)
 
-from etblocks.export.runner import sample
+from etblocks.export.runner import _nucleus, sample
 
 VOCAB = 49152  # SmolLM2's
 CASES = [(scale, top_p) for scale in (1.0, 4.0, 12.0) for top_p in (0.9, 1.0)]  # flat to peaked
@@ -47,6 +48,15 @@ def sorted_nucleus(logits: torch.Tensor, temperature: float, top_p: float) -> tu
     return sorted_probs.masked_fill(outside, 0.0), order
 
 
+def reference_nucleus(probs: torch.Tensor, top_p: float) -> list[int]:
+    """The nucleus's token ids by its definition, as tests/export/test_sampling.py computes it: the whole vocabulary
+    sorted (stable), each token kept while the mass before it (summed in float64) is below top_p."""
+    sorted_probs, order = torch.sort(probs, descending=True, stable=True)
+    sorted_probs = sorted_probs.double()
+    kept = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p
+    return sorted(order[kept].tolist())
+
+
 def torch_sort_sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
     """Nucleus sampling as it is usually written in torch."""
     probs, order = sorted_nucleus(logits, temperature, top_p)
@@ -56,35 +66,66 @@ def torch_sort_sample(logits: torch.Tensor, temperature: float, top_p: float, ge
 SAMPLERS: dict[str, Callable[..., int]] = {"(a) etblocks sample": sample, "(b) torch sort + multinomial": torch_sort_sample}
 
 
-def microseconds_per_draw(sampler: Callable[..., int], logits: torch.Tensor, top_p: float, draws: int) -> float:
+def microseconds_per_draw(sampler: Callable[..., int], logits: torch.Tensor, top_p: float,
+                          draws: int) -> tuple[float, list[int]]:
+    """Microseconds per draw over `draws` seeded draws, and the tokens drawn."""
     generator = torch.Generator().manual_seed(0)
+    tokens = []
     start = time.perf_counter()
     for _ in range(draws):
-        sampler(logits, TEMPERATURE, top_p, generator)
-    return (time.perf_counter() - start) / draws * 1e6
+        tokens.append(sampler(logits, TEMPERATURE, top_p, generator))
+    return (time.perf_counter() - start) / draws * 1e6, tokens
+
+
+SMOKE = {"rounds": 1, "draws": 5}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    started = time.perf_counter()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--draws", type=int, default=50, help="draws per sampler per case per round")
-    args = parser.parse_args(argv)
-    lines = []
+    add_run_args(parser, "sampling", SMOKE)
+    args = parse_with_smoke(parser, argv, SMOKE)
+    checks = Checks()
+    lines, records = [], []
     for scale, top_p in CASES:
+        case = f"scale {scale:g}, top_p {top_p:g}"
         logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(1)) * scale
-        nucleus = int(torch.count_nonzero(sorted_nucleus(logits, TEMPERATURE, top_p)[0]))
+        probs = torch.softmax(logits.float() / TEMPERATURE, dim=-1)
+        nucleus = reference_nucleus(probs, top_p)
+        if top_p < 1:  # (a)'s own nucleus against the definition's, as sorted token ids
+            ours = sorted(_nucleus(probs.numpy(), top_p)[1].tolist())
+            checks.add(check_values(f"a nucleus@{scale:g},{top_p:g}", ours, nucleus, "sorted nucleus",
+                                    note=f"{case}: nucleus token ids"))
         runs: dict[str, list[float]] = {name: [] for name in SAMPLERS}
+        drawn: dict[str, list[int]] = {name: [] for name in SAMPLERS}
         for _ in range(args.rounds):
             for name, sampler in SAMPLERS.items():
-                runs[name].append(microseconds_per_draw(sampler, logits, top_p, args.draws))
-        ours, theirs = (statistics.median(r) for r in runs.values())
-        lines.append([f"{scale:g}", f"{top_p:g}", str(nucleus), f"{ours:.0f}", f"{theirs:.0f}", f"{theirs / ours:.1f}x"])
-        print(f"[sampling bench] scale {scale:g}, top_p {top_p:g}: {ours:.0f} vs {theirs:.0f} us", file=sys.stderr,
-              flush=True)
-    print(f"Nucleus sampling over {VOCAB} logits ~ N(0, 1) * scale at temperature {TEMPERATURE} (torch with "
-          f"{torch.get_num_threads()} threads); medians of {args.rounds} interleaved rounds of {args.draws} draws\n")
-    print(aligned_table(["scale", "top_p", "nucleus tokens", "(a) us/token", "(b) us/token", "(b) / (a)"], lines))
-    return 0
+                us, tokens = microseconds_per_draw(sampler, logits, top_p, args.draws)
+                runs[name].append(us)
+                drawn[name] += tokens
+        # (b)'s own nucleus is the float32 one it computes, which may differ from the float64 one at its edge.
+        kept, order = sorted_nucleus(logits, TEMPERATURE, top_p)
+        nuclei = {"a": nucleus, "b": order[kept > 0].tolist()}
+        for name, tokens in drawn.items():
+            checks.add(check_members(f"{name[1]}@{scale:g},{top_p:g}", tokens, nuclei[name[1]], "sorted nucleus",
+                                     note=f"{case}: draws inside the nucleus"))
+        (a_name, a_runs), (b_name, b_runs) = runs.items()
+        ours, theirs = statistics.median(a_runs), statistics.median(b_runs)
+        per_round = statistics.median(b / a for a, b in zip(a_runs, b_runs))
+        lines.append([f"{scale:g}", f"{top_p:g}", str(len(nucleus)), spread(a_runs, ".0f"), spread(b_runs, ".0f"),
+                      f"{per_round:.1f}x"])
+        records.append({"scale": scale, "top_p": top_p, "nucleus": len(nucleus),
+                        "timings": {"a_us": spread_record(a_runs), "b_us": spread_record(b_runs)}})
+        print(f"[sampling bench] {case}: {ours:.0f} vs {theirs:.0f} us", file=sys.stderr, flush=True)
+    title = (f"Nucleus sampling over {VOCAB} logits ~ N(0, 1) * scale at temperature {TEMPERATURE} (torch with "
+             f"{torch.get_num_threads()} threads); medians [min-max] of {args.rounds} interleaved rounds of "
+             f"{args.draws} draws; (b) / (a): median of per-round ratios\n")
+    table = aligned_table(["scale", "top_p", "nucleus tokens", "(a) us/token", "(b) us/token", "(b) / (a)"], lines)
+    print(title)
+    print(table)
+    return finish("sampling", args, checks, {"sampling": f"{title}\n{table}"}, started, rows=records)
 
 
 if __name__ == "__main__":
