@@ -235,8 +235,8 @@ def warm_up(driver: Driver, bench: Bench) -> None:
 def time_round(driver: Driver, bench: Bench, warm_prefill: bool = False) -> tuple[float, float, list[int]]:
     """One timed prefill of the prompt, then `bench.decode_steps` timed greedy decode steps. Returns (prefill
     tok/s, decode tok/s, tokens): the prefill's next token and one per decode step. `warm_prefill` runs one untimed
-    prefill first: on this host the first ExecuTorch prefill after other work (the bandwidth sample, another
-    program, even a 1 s sleep) measured 1.2-1.5x slower at 30 layers, which otherwise lands on the round's first row."""
+    prefill first: the first ExecuTorch prefill after other work (the bandwidth sample, another program, even a short
+    sleep) can run markedly slower, which otherwise lands on the round's first row."""
     n = len(bench.prompt)
     if warm_prefill:
         reset_driver(driver)
@@ -465,8 +465,8 @@ class PathSpec:
 
 def measure_read_bandwidth(gigabytes: float = 1.0, reps: int = 5) -> float:
     """Read bandwidth in bytes/s: the best of `torch.sum` over a random fp32 array, `reps` times with all torch
-    threads and `reps` times with one (on this host one thread is often as fast). Random data: a constant-filled array
-    once read at 47 GB/s here, far above anything else measured."""
+    threads and `reps` times with one (one thread is often as fast). Random data: a constant-filled array can read
+    far faster than anything a program's weights do."""
     x = torch.rand(int(gigabytes * 1e9) // 4)
     threads, best = torch.get_num_threads(), float("inf")
     try:
@@ -678,10 +678,10 @@ def make_bench(args: argparse.Namespace) -> Bench:
 def time_in_fresh_process(prepared: list[tuple[Row, Driver | None]], bench: Bench,
                           warm_prefill: bool = False) -> tuple[list[Row], list[float]]:
     """`time_rows` in a new Python process that loads every program anew from its files (`RebuiltWhenPickled`), as
-    a device's runtime does. A program loaded into this process after exports (gigabytes of graphs allocated and
-    freed) decoded up to 1.5x slower here than the same .pte loaded in a fresh process (30-layer 8da4w: 7.0
-    against 4.8 ms a step), the more so the more exports came before it, which skewed the rows of one run
-    against each other. This process's drivers are released first; returns the timed rows and the bandwidths."""
+    a device's runtime does. A program loaded into a process after exports (gigabytes of graphs allocated and
+    freed) decoded slower than the same .pte loaded in a fresh process, the more so the more exports came before
+    it, which skewed the rows of one run against each other. This process's drivers are released first; returns
+    the timed rows and the bandwidths."""
     payload = [(row, pickle.dumps(driver) if driver is not None else None) for row, driver in prepared]
     prepared.clear()
     gc.collect()
@@ -721,11 +721,8 @@ KERNEL_FLAGS = {"flags": ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int
 
 
 def describe_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    """The CPU and which of `KERNEL_FLAGS` it has. Quantized decode figures depend on it more than on anything
-    else about the host: the same 8da4w linears ran 3.5x slower on an AVX2-only EPYC of this project's machine
-    kind than on the hosts of earlier runs (`step_breakdown.py`)."""
-    import platform
-
+    """The CPU and which of `KERNEL_FLAGS` it has: XNNPACK picks its int8 / int4 GEMM kernels by them, so
+    quantized decode figures depend on them more than on anything else about the host."""
     try:
         lines = cpuinfo.read_text().splitlines()
     except OSError:
