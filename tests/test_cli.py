@@ -159,13 +159,21 @@ def test_run_from_config_uses_export_out_and_flags_override(demo_export, demo_hf
 
 @pytest.mark.slow
 def test_run_sampling_is_reproducible_with_seed(demo_export, capsys):
+    """One seed gives the same tokens twice; and sampling is on: the sampled tokens are not the greedy ones, and other
+    seeds give other tokens (both would fail if `--temperature` / `--top-p` were ignored)."""
     _, pte, _ = demo_export
-    args = ["run", "--pte", str(pte), "--prompt-ids", "1,2,3", "--max-new-tokens", "8", "--temperature", "1.5",
-            "--top-p", "0.95", "--seed", "7"]
-    assert main(args) == 0
-    first = ids_line(capsys.readouterr().out, "generated ids")
-    assert main(args) == 0
-    assert ids_line(capsys.readouterr().out, "generated ids") == first
+    greedy = ["run", "--pte", str(pte), "--prompt-ids", "1,2,3", "--max-new-tokens", "8"]
+
+    def generated(*extra: str) -> list[int]:
+        assert main([*greedy, *extra]) == 0
+        return ids_line(capsys.readouterr().out, "generated ids")
+
+    sampling = ("--temperature", "1.5", "--top-p", "0.95")
+    first = generated(*sampling, "--seed", "7")
+    assert generated(*sampling, "--seed", "7") == first
+    assert first != generated()
+    others = [generated(*sampling, "--seed", str(seed)) for seed in (8, 9)]
+    assert any(tokens != first for tokens in others)
 
 
 @pytest.mark.slow
