@@ -96,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         nucleus = reference_nucleus(probs, top_p)
         if top_p < 1:  # (a)'s own nucleus against the definition's, as sorted token ids
             ours = sorted(_nucleus(probs.numpy(), top_p)[1].tolist())
-            checks.add(check_values(f"a nucleus@{scale:g},{top_p:g}", ours, nucleus, "sorted nucleus",
+            checks.add(check_values(f"a nucleus@{scale:g}/{top_p:g}", ours, nucleus, "sorted nucleus",
                                     note=f"{case}: nucleus token ids"))
         runs: dict[str, list[float]] = {name: [] for name in SAMPLERS}
         drawn: dict[str, list[int]] = {name: [] for name in SAMPLERS}
@@ -109,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         kept, order = sorted_nucleus(logits, TEMPERATURE, top_p)
         nuclei = {"a": nucleus, "b": order[kept > 0].tolist()}
         for name, tokens in drawn.items():
-            checks.add(check_members(f"{name[1]}@{scale:g},{top_p:g}", tokens, nuclei[name[1]], "sorted nucleus",
+            checks.add(check_members(f"{name[1]}@{scale:g}/{top_p:g}", tokens, nuclei[name[1]], "sorted nucleus",
                                      note=f"{case}: draws inside the nucleus"))
         (a_name, a_runs), (b_name, b_runs) = runs.items()
         ours, theirs = statistics.median(a_runs), statistics.median(b_runs)

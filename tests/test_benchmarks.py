@@ -18,7 +18,7 @@ BENCHMARKS = ROOT / "benchmarks"
 
 # script -> the check key of one row that its smoke run compares (what ETBLOCKS_BENCH_BREAK_ROW corrupts)
 SCRIPTS = {
-    "sampling": "a@1,0.9",
+    "sampling": "a@1/0.9",
     "mla": "a@16",
     "moe": "gather@4",
     "decode": "a",
