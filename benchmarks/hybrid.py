@@ -31,6 +31,8 @@ dynamic activations, HQQ scales: ExecuTorch's `quantize(qmode="8da4w")`, which e
                                `unwrap_tensor_subclass` (its `model.to()` cannot swap torchao weights otherwise)
   d  ExecuTorch example, dynamic   (b) with `model.enable_dynamic_shape=True`: qwen3_5 only (lfm2's (b) is dynamic)
   e  transformers static cache     `TorchExportableModuleForDecoderOnlyLM` (decode.py's row b)
+  f  etblocks, chunked delta rule  (a) with `swap(..., delta_rule="chunked")`: DeltaNet's recurrence in matmuls (the
+                               form of the other backends) instead of the fused kernel; qwen3_5 only
 
 Timing is decode.py's (`prepare_path`, `time_in_fresh_process`, `time_rows`): every row exported first (here each in
 a process of its own, `in_own_process`: exports of these models leave gigabytes allocated), then loaded anew in a fresh
@@ -523,17 +525,31 @@ def tag(bench: HybridBench) -> str:
     return bench.quantize or "fp32"
 
 
-def path_etblocks(bench: HybridBench, row: Row) -> Driver:
-    """(a) etblocks: swap the transformers model's blocks, export to XNNPACK, `forward(tokens, input_pos)`."""
+def etblocks_driver(bench: HybridBench, row: Row, filename: str, swap_options: Mapping[str, Any] | None = None) -> Driver:
+    """Swap the transformers model's blocks, export to XNNPACK (`forward(tokens, input_pos)`) and load it;
+    `UnsupportedModelError` shows as unavailable."""
     from etblocks.errors import UnsupportedModelError
 
     export_options = {"quantize_weights": bench.quantize, "group_size": bench.group_size} if bench.quantize else {}
     try:
-        driver, _ = export_with_etblocks(bench, row, build_model, f"a_etblocks_{tag(bench)}.pte",
+        driver, _ = export_with_etblocks(bench, row, build_model, filename, swap_options=swap_options,
                                          export_options=export_options)
     except UnsupportedModelError as e:
         raise Unavailable(one_line(e)) from e
     return driver
+
+
+def path_etblocks(bench: HybridBench, row: Row) -> Driver:
+    """(a) etblocks with the xnnpack recipe's defaults (the fused delta rule for DeltaNet layers)."""
+    return etblocks_driver(bench, row, f"a_etblocks_{tag(bench)}.pte")
+
+
+def path_etblocks_chunked(bench: HybridBench, row: Row) -> Driver:
+    """(f) (a) with `delta_rule="chunked"`: gated DeltaNet's recurrence in matmuls (the form every other backend
+    runs) instead of ExecuTorch's fused `llama::gated_delta_rule` kernel, measured against it on XNNPACK."""
+    if "linear_attention" not in bench.layer_types:
+        raise Unavailable(f"{bench.family} has no gated DeltaNet layer: no delta rule to choose")
+    return etblocks_driver(bench, row, f"f_etblocks_chunked_{tag(bench)}.pte", {"delta_rule": "chunked"})
 
 
 def example_params(bench: HybridBench, model: torch.nn.Module) -> dict[str, Any]:
@@ -693,6 +709,7 @@ PATHS: list[PathSpec] = [
     PathSpec("c", "transformers ExecutorchExporter", path_hf_exporter),
     PathSpec("d", "ExecuTorch example, dynamic shape", path_example_dynamic),
     PathSpec("e", "transformers static-cache export", path_hf_static_cache),
+    PathSpec("f", "etblocks xnnpack, chunked delta rule", path_etblocks_chunked),
 ]
 
 
