@@ -6,7 +6,8 @@ Models: random weights, fp32, built by transformers from a config at the shape o
 as its last layer). Rows (`--rows`), each exported for fp32 and 8da4w (`--quantize`, groups of `--group-size`):
 (a) etblocks (swap + export); (b) the family's ExecuTorch example as its README exports it (`export_llama` with the
 example's yaml); (c) transformers' `ExecutorchExporter().export_for_generation`; (d) (b) with dynamic shapes
-(qwen3_5 only); (e) transformers' `TorchExportableModuleForDecoderOnlyLM`.
+(qwen3_5 only); (e) transformers' `TorchExportableModuleForDecoderOnlyLM`; (f) (a) with `delta_rule="chunked"`:
+DeltaNet's recurrence in matmuls (the form of the other backends) instead of the fused kernel (qwen3_5 only).
 
 Timing (`harness`): every row exported in a process of its own, then timed in a fresh process per prompt length
 (`--prompts`) in `--rounds` interleaved rounds (an untimed warm prefill, a timed prefill, `--decode-steps` greedy
@@ -483,17 +484,31 @@ def tag(bench: HybridBench) -> str:
     return bench.quantize or "fp32"
 
 
-def path_etblocks(bench: HybridBench, row: Row) -> Driver:
-    """(a) etblocks: swap the transformers model's blocks, export to XNNPACK, `forward(tokens, input_pos)`."""
+def etblocks_driver(bench: HybridBench, row: Row, filename: str, swap_options: Mapping[str, Any] | None = None) -> Driver:
+    """Swap the transformers model's blocks, export to XNNPACK (`forward(tokens, input_pos)`) and load it;
+    `UnsupportedModelError` shows as unavailable."""
     from etblocks.errors import UnsupportedModelError
 
     export_options = {"quantize_weights": bench.quantize, "group_size": bench.group_size} if bench.quantize else {}
     try:
-        driver, _ = export_with_etblocks(bench, row, build_model, f"a_etblocks_{tag(bench)}.pte",
+        driver, _ = export_with_etblocks(bench, row, build_model, filename, swap_options=swap_options,
                                          export_options=export_options)
     except UnsupportedModelError as e:
         raise Unavailable(one_line(e)) from e
     return driver
+
+
+def path_etblocks(bench: HybridBench, row: Row) -> Driver:
+    """(a) etblocks with the xnnpack recipe's defaults (the fused delta rule for DeltaNet layers)."""
+    return etblocks_driver(bench, row, f"a_etblocks_{tag(bench)}.pte")
+
+
+def path_etblocks_chunked(bench: HybridBench, row: Row) -> Driver:
+    """(f) (a) with `delta_rule="chunked"`: gated DeltaNet's recurrence in matmuls (the form every other backend
+    runs) instead of ExecuTorch's fused `llama::gated_delta_rule` kernel, measured against it on XNNPACK."""
+    if "linear_attention" not in bench.layer_types:
+        raise Unavailable(f"{bench.family} has no gated DeltaNet layer: no delta rule to choose")
+    return etblocks_driver(bench, row, f"f_etblocks_chunked_{tag(bench)}.pte", {"delta_rule": "chunked"})
 
 
 def example_params(bench: HybridBench, model: torch.nn.Module) -> dict[str, Any]:
@@ -653,6 +668,7 @@ PATHS: list[PathSpec] = [
     PathSpec("c", "transformers ExecutorchExporter", path_hf_exporter),
     PathSpec("d", "ExecuTorch example, dynamic shape", path_example_dynamic),
     PathSpec("e", "transformers static-cache export", path_hf_static_cache),
+    PathSpec("f", "etblocks xnnpack, chunked delta rule", path_etblocks_chunked),
 ]
 
 

@@ -26,11 +26,12 @@ END = "<!-- end of generated tables -->"
 
 
 def command(script: str, key: str, entry: dict[str, Any]) -> str:
-    """The command that wrote the entry: from its recorded options, else (older hybrid.py entries) its family and
-    layers."""
+    """The command that wrote the entry: from its recorded options, else (older hybrid.py entries) the options its
+    settings record."""
     argv = entry.get("args", {}).get("argv")
     if argv is None and script == "hybrid" and "family" in entry:
-        argv = ["--family", entry["family"], "--layers", str(entry["layers"])]
+        argv = ["--family", entry["family"], "--layers", str(entry["layers"]), "--rows", str(entry["rows"]),
+                "--rounds", str(entry["rounds"])]
     if argv is None:
         return f"python benchmarks/{script}.py (options not recorded; entry {key!r})"
     argv = [a for i, a in enumerate(argv) if a != "--out" and (i == 0 or argv[i - 1] != "--out")]
@@ -43,7 +44,7 @@ def describe(entry: dict[str, Any]) -> str:
     versions = entry.get("versions") or {}
     parts = [f"commit {commit[:10]}{' + local changes' if entry.get('git_dirty') else ''}" if commit
              else "commit not recorded"]
-    parts.append(", ".join(f"{name} {version}" for name, version in versions.items() if version))
+    parts.append(", ".join(f"{name} {version}" for name, version in versions.items() if version not in (None, "", "?")))
     if entry.get("cpu"):
         parts.append(str(entry["cpu"]).removeprefix("CPU: "))
     if entry.get("wall_s") is not None:
