@@ -55,7 +55,7 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     spread_record,
 )
 
-SMOKE = {"layers": 1, "rows": "a,b", "rounds": 1, "decode_steps": 4, "prompt_len": 8, "max_seq_len": 32}
+SMOKE = {"shape": "tiny", "layers": 1, "rows": "a,b", "rounds": 1, "decode_steps": 4, "prompt_len": 8, "max_seq_len": 32}
 
 
 class GenerationExportDriver(RebuiltWhenPickled):

@@ -3,8 +3,10 @@
 Rows, the SmolLM2-135M-shape Llama with the same random weights, 8da4w in groups of 32: (a) etblocks (swap + export
 with `quantize_weights="8da4w"`), (b) ExecuTorch's llama example as export_llama_lib exports it with `-qmode 8da4w`
 (`harness.export_llama_example`). First decode.py's speed table (fresh process, interleaved rounds, medians
-[min-max], roofline from the bytes a step reads); each row's greedy tokens must agree with the fp32 model's on the
-first `--quantized-min-match`, or the script exits 1. Then each program runs `--profile-steps` decode steps with
+[min-max], roofline from the bytes a step reads); each row's greedy tokens must agree on the first
+`--quantized-min-match` with the transformers model's, its weights quantized as the row quantizes them
+(`harness.quantized_reference`: etblocks' torchao configs for (a), ExecuTorch's `quantize()` for (b)), or the script
+exits 1. Then each program runs `--profile-steps` decode steps with
 ETDump and the mean step is split into XNNPACK operators, delegate call overhead, CPU operators, the rest of
 `Method::execute`, and Python. Profiling adds time to every event it records, so the split overstates the small
 per-call items; step_breakdown.py times the parts unprofiled. Results: benchmarks/results/decode_profile.json.
@@ -47,6 +49,7 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     format_table,
     make_bench,
     parse_with_smoke,
+    quantized_reference,
     prepare_path,
     row_record,
     select_paths,
@@ -56,6 +59,7 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
 
 OPTION = Option("e", "8da4w", quantize="8da4w")  # quant.py's row (e): its bytes per step
 FILES = {"a": "a_etblocks_8da4w.pte", "b": "b_llama_example_8da4w.pte"}
+SCHEMES = {"a": "etblocks", "b": "example"}  # how each row quantizes its weights (`harness.quantized_reference`)
 CPU_EVENT_PREFIXES = ("native_call_", "llama::", "quantized_decomposed::")
 RUNTIME_EVENTS = {"Method::execute", "DELEGATE_CALL", "OPERATOR_CALL"}
 
@@ -147,7 +151,7 @@ def format_profiles(profiles: dict[str, StepProfile], names: dict[str, str], wei
     return aligned_table(["ms per decode step", *(f"({k}) {names[k]}" for k in profiles)], lines)
 
 
-SMOKE = {"layers": 1, "rounds": 1, "profile_steps": 2, "decode_steps": 4, "prompt_len": 8, "max_seq_len": 32}
+SMOKE = {"shape": "tiny", "layers": 1, "rounds": 1, "profile_steps": 2, "decode_steps": 4, "prompt_len": 8, "max_seq_len": 32}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -155,27 +159,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argument_parser(PATHS, __doc__)
     parser.add_argument("--profile-steps", type=int, default=32, help="decode steps recorded with ETDump")
     parser.add_argument("--quantized-min-match", type=int, default=1,
-                        help="leading greedy tokens an 8da4w row must share with the fp32 model")
+                        help="leading greedy tokens an 8da4w row must share with its eager reference")
     add_run_args(parser, "decode_profile", SMOKE)
     args = parse_with_smoke(parser, argv, SMOKE)
     bench = make_bench(args)
     try:
-        reference = eager_reference_tokens(bench)
+        specs = select_paths(args.rows, PATHS)
+        reference = {spec.key: eager_reference_tokens(bench, lambda b, key=spec.key: quantized_reference(
+            build_hf_model(b), SCHEMES[key], OPTION.quantize)) for spec in specs}
         step_bytes = bytes_per_token(bench, OPTION)
-        prepared = [prepare_path(spec, bench) for spec in select_paths(args.rows, PATHS)]
+        prepared = [prepare_path(spec, bench) for spec in specs]
         rows, bandwidths = time_in_fresh_process(prepared, bench, warm_prefill=True)
         bandwidth = statistics.median(bandwidths)
         header = describe_run("8da4w decode: etblocks and ExecuTorch's llama example, XNNPACK", bench, bandwidths)
         header += f"roofline: that bandwidth / {step_bytes / 1e6:.1f} MB read per decode step (quant.py's count)\n"
-        table = format_table(rows, bandwidth / step_bytes, reference, reference_label="fp32")
-        note = ("tokens=fp32: leading greedy tokens equal to the fp32 transformers model's; random weights give flat "
-                "distributions, which 4-bit weights tip early (quant.py measures accuracy on a trained model): the "
-                f"first {args.quantized_min_match} must agree")
+        table = format_table(rows, bandwidth / step_bytes, reference, reference_label="eager")
+        note = ("tokens=eager: leading greedy tokens equal to the transformers model's, its weights quantized as the "
+                "row's; XNNPACK's dynamic int8 activations round differently from torchao's eager ones and random "
+                "weights give flat distributions (quant.py measures accuracy on a trained model): the first "
+                f"{args.quantized_min_match} must agree")
         print(header)
         print(table)
         print(note)
         checks = Checks()
-        check_rows(checks, rows, reference, "eager fp32", {row.key: args.quantized_min_match for row in rows})
+        check_rows(checks, rows, reference, "eager", {row.key: args.quantized_min_match for row in rows})
         profiles = {row.key: profile_decode(bench.out_dir / FILES[row.key], bench, args.profile_steps)
                     for row in rows if row.status == "ok"}
         profile_title = (f"ETDump of {args.profile_steps} decode steps (after the prompt and {args.profile_steps} "

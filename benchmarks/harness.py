@@ -16,6 +16,7 @@ sys.path).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import multiprocessing
@@ -41,6 +42,7 @@ from etblocks.ops import load_kernels
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 BREAK_ROW_ENV = "ETBLOCKS_BENCH_BREAK_ROW"
+GROUP_SIZE = 32  # 8da4w's group size in quant.py, decode_profile.py and step_breakdown.py
 
 # --------------------------------------------------------------------------------------------------
 # Shape, settings and results
@@ -50,6 +52,7 @@ BREAK_ROW_ENV = "ETBLOCKS_BENCH_BREAK_ROW"
 class Shape:
     """The model shape (SmolLM2-135M by default) and the context length."""
 
+    name: str = "SmolLM2-135M"
     layers: int = 30
     hidden: int = 576
     heads: int = 9
@@ -72,6 +75,22 @@ class Shape:
         as lm_head; the embedding row gather, norms and KV cache are left out)."""
         linears = sum(out_features * in_features for out_features, in_features in self.linear_shapes())
         return (linears * self.layers + self.vocab * self.hidden) * bytes_per_param
+
+
+# `--shape`: the benchmark's model, or a tiny one whose exports take seconds (`--smoke`: to show the script works)
+SHAPES = {"smollm2-135m": Shape(), "tiny": Shape(name="tiny", hidden=64, heads=4, kv_heads=2, head_dim=16,
+                                                 intermediate=128, vocab=512)}
+
+
+def add_shape_arg(parser: argparse.ArgumentParser, choices: Sequence[str] = tuple(SHAPES)) -> None:
+    """`--shape`: the first of `choices` by default; "tiny" (hidden 64, vocab 512) is what `--smoke` uses."""
+    parser.add_argument("--shape", choices=choices, default=choices[0],
+                        help="model shape: " + ", ".join(choices) + " (tiny: hidden 64, vocab 512, for quick runs)")
+
+
+def make_shape(args: argparse.Namespace, **changes: Any) -> Shape:
+    """`--shape` with `changes` (e.g. `layers`, `max_seq_len`) applied."""
+    return dataclasses.replace(SHAPES[args.shape], **changes)
 
 
 @dataclass
@@ -481,6 +500,48 @@ def measure_read_bandwidth(gigabytes: float = 1.0, reps: int = 5) -> float:
     return x.numel() * 4 / best
 
 
+def quantize_like_example(model: torch.nn.Module, quantize: str | None, group_size: int) -> torch.nn.Module:
+    """ExecuTorch's `quantize()` as export_llama applies it (`-qmode`; torchao `Int8DynamicActivationIntxWeightConfig`,
+    HQQ scales, every linear whose input width the group size divides), in place; `quantize=None` leaves it fp32."""
+    if quantize is None:
+        return model
+    from executorch.examples.models.llama.source_transformation.quantize import quantize as example_quantize
+    from executorch.extension.llm.export.builder import DType
+
+    with torch.no_grad():
+        return example_quantize(model, qmode=quantize, computation_dtype=DType.fp32, group_size=group_size)
+
+
+@torch.no_grad()
+def quantized_reference(model: torch.nn.Module, scheme: str, quantize: str | None, group_size: int = GROUP_SIZE,
+                        quantize_embedding: str | None = None) -> torch.nn.Module:
+    """`model` (in place) quantized as a row's program quantizes its weights: the eager reference the row's tokens
+    are compared with (quantized rows part from the fp32 model within a few tokens on random weights).
+    "etblocks": torchao with the configs `etblocks.export` uses (`WeightQuantization`: bf16 scales chosen by HQQ,
+    the integers rounded to them; the lm_head of a tied embedding gets its own weight, the embedding is quantized
+    only when `quantize_embedding`). "example": `quantize_like_example`, its int4 group scales then rounded to bf16
+    as XNNPACK stores them. int8 KV caches are not part of it."""
+    if scheme == "example":
+        model = quantize_like_example(model, quantize, group_size)
+        for module in model.modules():
+            scale = getattr(getattr(module, "weight", None), "scale", None)
+            if isinstance(module, torch.nn.Linear) and isinstance(scale, torch.Tensor):
+                scale.copy_(scale.to(torch.bfloat16).to(scale.dtype))
+        return model
+    if scheme != "etblocks":
+        raise ValueError(f"scheme={scheme!r}: expected 'etblocks' or 'example'")
+    from torchao.quantization import quantize_
+
+    from etblocks.export.weights import WeightQuantization
+
+    plan = WeightQuantization(quantize, group_size if quantize == "8da4w" else None, quantize_embedding)
+    if quantize is not None:
+        quantize_(model, plan.linear_config(), filter_fn=lambda module, fqn: isinstance(module, torch.nn.Linear))
+    if quantize_embedding is not None:
+        quantize_(model, plan.embedding_config(), filter_fn=lambda module, fqn: isinstance(module, torch.nn.Embedding))
+    return model
+
+
 @torch.no_grad()
 def eager_reference_tokens(bench: Bench, build_model: Callable[[Bench], torch.nn.Module] = build_hf_model) -> list[int]:
     """Greedy tokens of the eager transformers model (`build_model`'s): the prefill's token and one per decode
@@ -578,13 +639,15 @@ def paired_median(numerators: list[float], denominators: list[float]) -> float |
 # Main
 
 
-def argument_parser(paths: Sequence[PathSpec], description: str | None) -> argparse.ArgumentParser:
-    """The benchmark's options; `paths` and `description` let another script over other rows share them (and add
-    its own options to the parser)."""
+def argument_parser(paths: Sequence[PathSpec], description: str | None,
+                    shapes: Sequence[str] = tuple(SHAPES)) -> argparse.ArgumentParser:
+    """The benchmark's options; `paths`, `description` and `shapes` (the `--shape` choices) let another script over
+    other rows and models share them (and add its own options to the parser)."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default=",".join(p.key for p in paths if p.default),
                         help="comma-separated row keys: " + ", ".join(f"{p.key}={p.name}" for p in paths))
-    parser.add_argument("--layers", type=int, default=30, help="decoder layers (2 for a quick smoke run)")
+    add_shape_arg(parser, shapes)
+    parser.add_argument("--layers", type=int, default=30, help="decoder layers")
     parser.add_argument("--decode-steps", type=int, default=32, help="timed greedy decode steps")
     parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (prefill)")
     parser.add_argument("--max-seq-len", type=int, default=256, help="context / KV cache length")
@@ -670,7 +733,7 @@ def make_bench(args: argparse.Namespace) -> Bench:
     dir unless `--out-dir`)."""
     out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="etblocks_decode_bench_"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    shape = Shape(layers=args.layers, max_seq_len=args.max_seq_len)
+    shape = make_shape(args, layers=args.layers, max_seq_len=args.max_seq_len)
     prompt = torch.randint(1, shape.vocab, (args.prompt_len,), generator=torch.Generator().manual_seed(args.seed))
     return Bench(shape, prompt.tolist(), args.decode_steps, args.rounds, out_dir, args.seed, args.init_range)
 
@@ -744,7 +807,7 @@ def describe_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
 def describe_run(title: str, bench: Bench, bandwidths: list[float], model: str | None = None,
                  weight_bytes: float | None = None) -> str:
     """The lines above the table: shape, weights, settings, threads and the roofline. Another script's model
-    replaces the SmolLM2 shape: `model` describes it, `weight_bytes` is what one token reads of its fp32 linears."""
+    replaces the `--shape`: `model` describes it, `weight_bytes` is what one token reads of its fp32 linears."""
     from executorch.extension.pybindings.portable_lib import _threadpool_get_thread_count
 
     s = bench.shape
@@ -753,7 +816,7 @@ def describe_run(title: str, bench: Bench, bandwidths: list[float], model: str |
     roofline_tps = statistics.median(bandwidths) / weight_bytes
     threads = torch.get_num_threads()
     model = model or (
-        f"SmolLM2-135M shape: {s.layers} layers, hidden {s.hidden}, {s.heads}/{s.kv_heads} heads (head_dim "
+        f"{s.name} shape: {s.layers} layers, hidden {s.hidden}, {s.heads}/{s.kv_heads} heads (head_dim "
         f"{s.head_dim}), intermediate {s.intermediate}, vocab {s.vocab}, tied embedding, fp32, random weights (seed "
         f"{bench.seed}, init std {bench.init_range})")
     return "\n".join([
@@ -791,8 +854,6 @@ def parse_with_smoke(parser: argparse.ArgumentParser, argv: Sequence[str] | None
 
 # --------------------------------------------------------------------------------------------------
 # Weight quantization options and the bytes a decode step reads (quant.py's count)
-
-GROUP_SIZE = 32  # 8da4w's group size in quant.py, decode_profile.py and step_breakdown.py
 
 
 @dataclass(frozen=True)
@@ -839,8 +900,6 @@ def weight_bytes_per_token(shape: Shape, quantize: str | None, group_size: int =
 def kv_bytes_per_position(bench: Bench, option: Option) -> float:
     """Bytes all layers' caches hold per position: every declared state tensor (keys, values, scales, zero points)
     of a one-layer model swapped with the option, divided by its rows, times the layers."""
-    import dataclasses
-
     import etblocks
     from etblocks.state import find_states
 

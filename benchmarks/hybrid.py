@@ -21,7 +21,7 @@ same entry replaces the quantization settings it measures).
 
     python benchmarks/hybrid.py --family lfm2                       # 16 layers, fp32 and 8da4w
     python benchmarks/hybrid.py --family qwen3_5 --quantize none    # 24 layers, fp32
-    python benchmarks/hybrid.py --smoke                             # lfm2, 2 layers, row a, fp32, 1 round
+    python benchmarks/hybrid.py --smoke                             # tiny qwen3_5, 2 layers, rows a and f, fp32
 """
 
 from __future__ import annotations
@@ -73,6 +73,8 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     parse_with_smoke,
     pte_megabytes,
     prepare_path,
+    quantize_like_example,
+    quantized_reference,
     reset_driver,
     run_method,
     run_info,
@@ -110,6 +112,7 @@ class Family:
     example_yamls: Mapping[str | None, str]  # the example's config file per quantization
     example_dynamic: bool  # whether the example's yaml exports a dynamic prompt length
     example_resets_state: bool  # whether the example's program clears its state at input_pos 0
+    tiny: Mapping[str, Any]  # `--shape tiny`: config fields that make the model small enough for a smoke run
 
 
 QWEN3_5 = Family(
@@ -129,6 +132,9 @@ QWEN3_5 = Family(
     example_yamls={None: "qwen3_5_xnnpack_fp32.yaml", "8da4w": "qwen3_5_xnnpack_fp32.yaml"},
     example_dynamic=False,
     example_resets_state=True,
+    tiny=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=4,
+              linear_num_value_heads=4),
 )
 
 LFM2 = Family(
@@ -149,6 +155,7 @@ LFM2 = Family(
     example_yamls={None: "lfm2_xnnpack_fp32.yaml", "8da4w": "lfm2_xnnpack_q8da4w.yaml"},
     example_dynamic=True,
     example_resets_state=False,
+    tiny=dict(vocab_size=512, hidden_size=64, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2),
 )
 
 FAMILIES = {f.key: f for f in (QWEN3_5, LFM2)}
@@ -175,6 +182,7 @@ class HybridBench(Bench):
     (`prompt` is one of them)."""
 
     family: str = "lfm2"
+    tiny: bool = False  # `--shape tiny`
     layer_types: tuple[str, ...] = ()
     quantize: str | None = None
     group_size: int = 32
@@ -187,7 +195,7 @@ def hf_config(bench: HybridBench) -> Any:
     family = FAMILIES[bench.family]
     config_class = getattr(transformers, family.config_class)
     return config_class(
-        **family.config, num_hidden_layers=len(bench.layer_types), layer_types=list(bench.layer_types),
+        **{**family.config, **(family.tiny if bench.tiny else {})}, num_hidden_layers=len(bench.layer_types), layer_types=list(bench.layer_types),
         initializer_range=bench.init_range, bos_token_id=None, eos_token_id=None, pad_token_id=0,
     )
 
@@ -205,18 +213,6 @@ def build_model(bench: HybridBench) -> torch.nn.Module:
     return model_class(bench)(config).to(torch.float32).eval()
 
 
-def quantize_like_example(model: torch.nn.Module, bench: HybridBench) -> torch.nn.Module:
-    """ExecuTorch's `quantize()` as export_llama applies it (torchao `Int8DynamicActivationIntxWeightConfig`, HQQ
-    scales, every linear whose input width the group size divides), in place; fp32 models are returned as they are."""
-    if bench.quantize is None:
-        return model
-    from executorch.examples.models.llama.source_transformation.quantize import quantize
-    from executorch.extension.llm.export.builder import DType
-
-    with torch.no_grad():
-        return quantize(model, qmode=bench.quantize, computation_dtype=DType.fp32, group_size=bench.group_size)
-
-
 REFERENCE_SCHEMES = {"a": "etblocks"}  # how each row quantizes, when not as ExecuTorch's example ("example")
 
 
@@ -226,33 +222,16 @@ def reference_scheme(key: str, quantize: str | None) -> str:
 
 
 def build_reference_model(bench: HybridBench, scheme: str) -> torch.nn.Module:
-    """The eager model a row's tokens are compared with: `build_model`, quantized as the row quantizes. "example":
-    ExecuTorch's `quantize()` (`quantize_like_example`), its int4 group scales then rounded to bf16 as XNNPACK
-    stores them; "etblocks": torchao with etblocks' own config (`WeightQuantization.linear_config()`, bf16 scales
-    chosen by HQQ, the integers rounded to them)."""
+    """The eager model a row's tokens are compared with: `build_model`, quantized as the row quantizes
+    (`harness.quantized_reference`)."""
     model = build_model(bench)
-    if scheme == "fp32":
-        return model
-    with torch.no_grad():
-        if scheme == "etblocks":
-            from etblocks.export.weights import WeightQuantization
-            from torchao.quantization import quantize_
-
-            plan = WeightQuantization(bench.quantize, bench.group_size if bench.quantize == "8da4w" else None)
-            quantize_(model, plan.linear_config(), filter_fn=lambda module, fqn: isinstance(module, torch.nn.Linear))
-            return model
-        model = quantize_like_example(model, bench)
-        for module in model.modules():
-            scale = getattr(getattr(module, "weight", None), "scale", None)
-            if isinstance(module, torch.nn.Linear) and isinstance(scale, torch.Tensor):
-                scale.copy_(scale.to(torch.bfloat16).to(scale.dtype))
-    return model
+    return model if scheme == "fp32" else quantized_reference(model, scheme, bench.quantize, bench.group_size)
 
 
 def quantize_for_transformers_export(model: torch.nn.Module, bench: HybridBench) -> torch.nn.Module:
     """`quantize_like_example`, then the torchao tensor subclasses unwrapped into plain tensors and
     parametrizations: transformers' exporter moves the model with `model.to()`, which cannot swap them."""
-    model = quantize_like_example(model, bench)
+    model = quantize_like_example(model, bench.quantize, bench.group_size)
     if bench.quantize is not None:
         from torchao.utils import unwrap_tensor_subclass
 
@@ -875,13 +854,13 @@ def row_record(outcome: Outcome, key: str) -> dict:
 # Main
 
 
-SMOKE = {"family": "lfm2", "layers": 2, "rows": "a", "quantize": "none", "rounds": 1, "prompts": "8",
-         "decode_steps": 4, "max_seq_len": 32}
+SMOKE = {"family": "qwen3_5", "shape": "tiny", "layers": 2, "rows": "a,f", "quantize": "none", "rounds": 1,
+         "prompts": "8", "decode_steps": 4, "max_seq_len": 32}
 
 
 def parse_args(argv: Sequence[str] | None) -> Any:
-    parser = argument_parser(PATHS, __doc__)
-    parser.add_argument("--family", choices=sorted(FAMILIES), default=None, help="required (--smoke: lfm2)")
+    parser = argument_parser(PATHS, __doc__, shapes=("family", "tiny"))
+    parser.add_argument("--family", choices=sorted(FAMILIES), default=None, help="required (--smoke: qwen3_5)")
     parser.add_argument("--prompts", default="64,256", help="comma-separated prompt lengths, each timed")
     parser.add_argument("--quantize", default="none,8da4w", help="comma-separated: none (fp32), 8da4w")
     parser.add_argument("--group-size", type=int, default=32, help="8da4w's group size (every row)")
@@ -913,7 +892,7 @@ def make_hybrid_bench(args: Any) -> tuple[HybridBench, bool]:
     layer_types, made_full = cut_layer_types(family, args.layers)
     generator = torch.Generator().manual_seed(args.seed)
     bench = HybridBench(Shape(), [], args.decode_steps, args.rounds, Path(), args.seed, args.init_range,
-                        family=family.key, layer_types=layer_types, group_size=args.group_size)
+                        family=family.key, tiny=args.shape == "tiny", layer_types=layer_types, group_size=args.group_size)
     config = hf_config(bench)
     longest = torch.randint(1, config.vocab_size, (max(args.prompt_lengths),), generator=generator).tolist()
     prompts = {n: longest[:n] for n in sorted(set(args.prompt_lengths))}
@@ -937,7 +916,8 @@ def describe_model(bench: HybridBench, made_full: bool) -> str:
         cut = f", the first {len(bench.layer_types)} of {len(family.layer_types)}"
         cut += " (the last made full_attention)" if made_full else ""
     s = bench.shape
-    return (f"{family.label} shape ({config.model_type}): {s.layers} layers ({layers}{cut}), hidden {s.hidden}, "
+    label = f"tiny {family.key}" if bench.tiny else f"{family.label} shape"
+    return (f"{label} ({config.model_type}): {s.layers} layers ({layers}{cut}), hidden {s.hidden}, "
             f"{s.heads}/{s.kv_heads} heads (head_dim {s.head_dim}), vocab {s.vocab}, tied embedding, fp32, random "
             f"weights (seed {bench.seed}, init std {bench.init_range})")
 
@@ -992,6 +972,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     full = len(bench.layer_types) == len(FAMILIES[bench.family].layer_types)
     key = bench.family if full else f"{bench.family} ({len(bench.layer_types)} layers)"
+    key = f"tiny {key}" if bench.tiny else key
     key = f"smoke {key}" if args.smoke else key
     # Runs of one entry merge: `--quantize none`, then `--quantize 8da4w`, fill one entry.
     write_results(args.out, key, entry, merge=("settings", "tables"))

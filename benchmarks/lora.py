@@ -43,6 +43,7 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     Checks,
     Shape,
     add_run_args,
+    add_shape_arg,
     aligned_table,
     argmax_last,
     build_hf_model,
@@ -55,6 +56,7 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     spread_record,
     time_round,
     warm_up,
+    make_shape,
 )
 
 
@@ -365,7 +367,7 @@ def print_report(args, shape: Shape, bench: Bench, programs: list[Program], refe
     from executorch.extension.pybindings.portable_lib import _threadpool_get_thread_count
 
     s = shape
-    print(f"\nLoRA adapters switched at run time vs one program per adapter, SmolLM2-135M shape: {s.layers} layers, "
+    print(f"\nLoRA adapters switched at run time vs one program per adapter, {s.name} shape: {s.layers} layers, "
           f"hidden {s.hidden}, {s.heads}/{s.kv_heads} heads (head_dim {s.head_dim}), intermediate {s.intermediate}, "
           f"vocab {s.vocab}, tied embedding, fp32, random weights (seed {args.seed}, init std {args.init_range})")
     print(f"adapters (PEFT, random lora_A/lora_B, std {args.lora_std}): "
@@ -439,13 +441,14 @@ def print_report(args, shape: Shape, bench: Bench, programs: list[Program], refe
 # Main
 
 
-SMOKE = {"layers": 1, "max_seq_len": 32, "prompt_len": 8, "decode_steps": 4, "rounds": 1, "check_tokens": 4,
+SMOKE = {"shape": "tiny", "layers": 1, "max_seq_len": 32, "prompt_len": 8, "decode_steps": 4, "rounds": 1, "check_tokens": 4,
          "switches": 6, "loads": 1}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=30, help="decoder layers (2 for a quick smoke run)")
+    add_shape_arg(parser)
+    parser.add_argument("--layers", type=int, default=30, help="decoder layers")
     parser.add_argument("--max-seq-len", type=int, default=256, help="context / KV cache length")
     parser.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (prefill)")
     parser.add_argument("--decode-steps", type=int, default=32, help="timed greedy decode steps per round")
@@ -470,7 +473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.probe:
         return probe_main(*args.probe)
     started = time.perf_counter()
-    shape = Shape(layers=args.layers, max_seq_len=args.max_seq_len)
+    shape = make_shape(args, layers=args.layers, max_seq_len=args.max_seq_len)
     prompt = torch.randint(1, shape.vocab, (args.prompt_len,), generator=torch.Generator().manual_seed(args.seed))
     out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="etblocks_lora_bench_"))
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -5,12 +5,13 @@ Options (`--rows`): (a) fp32, (b) fp32 + int8 KV cache, (c) 8da8w, (d) 8da8w + i
 transformers Llama and timed as decode.py times (`harness`: fresh process, interleaved rounds, medians [min-max]),
 with each row's roofline from the bytes a decode step reads (`harness.bytes_per_token`: the linears as quantized,
 the lm_head, the KV cache at the mean decode position) and PASS/FAIL on 8da4w reaching 50% of it. Tokens: each row's
-greedy tokens against the fp32 transformers model's `generate()`: fp32 rows must agree on all, quantized rows on the
-first `--quantized-min-match` (random weights give flat distributions, which quantization tips); otherwise the
-script exits 1. Accuracy: a small Llama trained for `--train-steps` on a synthetic corpus with learnable structure
-(words, bigram order, copied spans), each option's program compared with the fp32 program by
-`etblocks.export.next_token_agreement` (top-1 agreement, KL); row (a) compares the fp32 program with eager. Results:
-benchmarks/results/quant.json.
+greedy tokens against the transformers model's `generate()`, its weights quantized as the row quantizes them
+(`harness.quantized_reference`; an int8 KV cache is not in it): fp32 rows must agree on all, the others on the
+first `--quantized-min-match` (XNNPACK's dynamic int8 activations round differently from torchao's eager ones, and
+random weights give flat distributions); otherwise the script exits 1. Accuracy: a small Llama (`--trained-layers`)
+trained for `--train-steps` on a synthetic corpus with learnable structure (words, bigram order, copied spans), each
+option's program compared with the fp32 program by `etblocks.export.next_token_agreement` (top-1 agreement, KL); row
+(a) compares the fp32 program with eager. Results: benchmarks/results/quant.json.
 
     python benchmarks/quant.py            # 30 layers, 300 training steps
     python benchmarks/quant.py --smoke    # 1 layer, rows a and e, 5 training steps
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import gc
 import math
 import random
@@ -33,6 +35,7 @@ from pathlib import Path
 import torch
 
 from harness import (  # benchmarks/ is not a package: Python puts this script's folder first on sys.path
+    GROUP_SIZE,
     Bench,
     Checks,
     Driver,
@@ -53,6 +56,7 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     format_table,
     make_bench,
     paired_median,
+    quantized_reference,
     parse_with_smoke,
     row_record,
     run_paths,
@@ -109,6 +113,21 @@ def speed_path(option: Option) -> Callable[[Bench, Row], Driver]:
 
 
 SPEED_PATHS = [PathSpec(option.key, option.name, speed_path(option)) for option in OPTIONS]
+
+
+def reference_tokens(bench: Bench, options: Sequence[Option]) -> dict[str, list[int]]:
+    """Each row's eager reference tokens: the fp32 transformers model's, or, for quantized weights, the same model
+    quantized as the row's program quantizes it (one `generate()` per distinct weight scheme)."""
+    by_weights: dict[tuple[str | None, str | None], list[int]] = {}
+    for option in options:
+        weights = (option.quantize, option.quantize_embedding)
+        if weights not in by_weights:
+            def build(b: Bench, option: Option = option) -> torch.nn.Module:
+                return quantized_reference(build_hf_model(b), "etblocks", option.quantize, GROUP_SIZE,
+                                           option.quantize_embedding)
+
+            by_weights[weights] = eager_reference_tokens(bench, build_hf_model if weights == (None, None) else build)
+    return {option.key: by_weights[(option.quantize, option.quantize_embedding)] for option in options}
 
 
 def format_target(rows: Sequence[Row], bandwidths: Sequence[float], row_bytes: Mapping[str, float]) -> str:
@@ -202,6 +221,7 @@ class Training:
     """The trained model and what says it learned (nats per token)."""
 
     model: torch.nn.Module
+    shape: Shape
     seconds: float
     steps: int
     heldout: torch.Tensor  # [sequences, length]
@@ -210,7 +230,7 @@ class Training:
     generator_entropy: float
 
     def describe(self) -> str:
-        s = TRAINED_SHAPE
+        s = self.shape
         return (f"trained model: {s.layers} layers, hidden {s.hidden}, {s.heads}/{s.kv_heads} heads (head_dim "
                 f"{s.head_dim}), intermediate {s.intermediate}, vocab {s.vocab}, tied embedding, context "
                 f"{s.max_seq_len}; {self.steps} AdamW steps of {BATCH}x{s.max_seq_len} tokens in {self.seconds:.0f}"
@@ -230,14 +250,14 @@ def language_model_loss(model: torch.nn.Module, sequences: torch.Tensor) -> floa
     return float(model(input_ids=sequences, labels=sequences).loss)
 
 
-def train_model(steps: int, heldout_count: int, seed: int) -> Training:
-    """A `TRAINED_SHAPE` Llama trained with AdamW (warm-up, cosine decay) on fresh corpus batches."""
+def train_model(shape: Shape, steps: int, heldout_count: int, seed: int) -> Training:
+    """A Llama of `shape` trained with AdamW (warm-up, cosine decay) on fresh corpus batches."""
     rng = random.Random(seed)
-    corpus = Corpus.make(TRAINED_SHAPE.vocab, rng)
-    length = TRAINED_SHAPE.max_seq_len
+    corpus = Corpus.make(shape.vocab, rng)
+    length = shape.max_seq_len
     train, _ = sample_sequences(corpus, steps * BATCH, length, rng)
     heldout, entropy = sample_sequences(corpus, max(heldout_count, 64), length, random.Random(seed + 1))
-    bench = Bench(TRAINED_SHAPE, [], 0, 0, Path(), seed, INIT_STD)
+    bench = Bench(shape, [], 0, 0, Path(), seed, INIT_STD)
     model = build_hf_model(bench).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95), weight_decay=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -254,13 +274,13 @@ def train_model(steps: int, heldout_count: int, seed: int) -> Training:
             log(f"training step {step + 1}/{steps}: loss {loss.item():.3f}")
     seconds = time.perf_counter() - start
     model.eval()
-    return Training(model, seconds, steps, heldout[:heldout_count], language_model_loss(model, heldout),
-                    unigram_loss(train, heldout, TRAINED_SHAPE.vocab), entropy)
+    return Training(model, shape, seconds, steps, heldout[:heldout_count], language_model_loss(model, heldout),
+                    unigram_loss(train, heldout, shape.vocab), entropy)
 
 
 def trained_runner(training: Training, option: Option, out_dir: Path) -> etblocks.Runner:
     """A copy of the trained model swapped and exported with the option, loaded."""
-    model = swapped(copy.deepcopy(training.model), option, TRAINED_SHAPE.max_seq_len)
+    model = swapped(copy.deepcopy(training.model), option, training.shape.max_seq_len)
     with torch.no_grad():
         result = etblocks.export(model, backend="xnnpack", out=out_dir / f"trained_{option.key}.pte",
                                  **option.export_options())
@@ -304,17 +324,18 @@ def format_accuracy(options: Sequence[Option], reports: Mapping[str, AccuracyRep
 # Main
 
 
-SMOKE = {"layers": 1, "rows": "a,e", "rounds": 1, "decode_steps": 4, "prompt_len": 8, "max_seq_len": 32,
-         "train_steps": 5, "accuracy_sequences": 2}
+SMOKE = {"shape": "tiny", "layers": 1, "rows": "a,e", "rounds": 1, "decode_steps": 4, "prompt_len": 8, "max_seq_len": 32,
+         "train_steps": 5, "trained_layers": 1, "accuracy_sequences": 2}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argument_parser(SPEED_PATHS, __doc__)
     parser.add_argument("--train-steps", type=int, default=300, help="AdamW steps of the accuracy model")
+    parser.add_argument("--trained-layers", type=int, default=TRAINED_SHAPE.layers, help="the accuracy model's layers")
     parser.add_argument("--accuracy-sequences", type=int, default=16, help="held-out sequences compared")
     parser.add_argument("--accuracy-prefill", type=int, default=32, help="tokens fed in one call before decoding")
     parser.add_argument("--quantized-min-match", type=int, default=1,
-                        help="leading greedy tokens a quantized row must share with the fp32 model (fp32 rows: all)")
+                        help="leading greedy tokens a quantized row must share with its eager reference (fp32 rows: all)")
     add_run_args(parser, "quant", SMOKE)
     return parse_with_smoke(parser, argv, SMOKE)
 
@@ -327,14 +348,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench = make_bench(args)
 
     log(f"training the accuracy model ({args.train_steps} steps)")
-    training = train_model(args.train_steps, args.accuracy_sequences, args.seed)
+    training = train_model(dataclasses.replace(TRAINED_SHAPE, layers=args.trained_layers), args.train_steps,
+                           args.accuracy_sequences, args.seed)
     reports = measure_accuracy(training, options, args.accuracy_prefill, bench.out_dir)
     trained = training.describe()
     del training
     gc.collect()
 
     log("speed: eager reference tokens, then the exports")
-    reference = eager_reference_tokens(bench)
+    reference = reference_tokens(bench, options)
     row_bytes = {option.key: bytes_per_token(bench, option) for option in options}
     rows, bandwidths = run_paths(specs, bench, keep_files=args.out_dir is not None, warm_prefill=True)
     for row in rows:
@@ -344,10 +366,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     header = describe_run("Quantization options, XNNPACK", bench, bandwidths).rstrip("\n")
     header += (f"\neach row's roofline: that bandwidth / its own {BYTES_READ} (weights as quantized + KV cache read at "
                f"the mean decode position); see the docstring\n")
-    speed = format_table(rows, rooflines, reference, reference_label="fp32", extra_headers=[BYTES_READ])
-    notes = ("notes:\n  tokens=fp32: leading greedy tokens equal to the fp32 transformers model's generate(); random "
-             "weights give flat distributions, which quantization tips early (the accuracy table below is on a trained "
-             f"model): a quantized row must agree on the first {args.quantized_min_match}, an fp32 row on all")
+    speed = format_table(rows, rooflines, reference, reference_label="eager", extra_headers=[BYTES_READ])
+    notes = ("notes:\n  tokens=eager: leading greedy tokens equal to the transformers model's generate(), its weights "
+             "quantized as the row's (torchao, etblocks' configs; no int8 KV cache); XNNPACK's dynamic int8 "
+             "activations round differently from torchao's eager ones and random weights give flat distributions (the "
+             "accuracy table below is on a trained model): a quantized row must agree on the first "
+             f"{args.quantized_min_match}, an fp32 row on all")
     target = format_target(rows, bandwidths, row_bytes)
     accuracy_title = (f"accuracy on the trained model, next-token distributions against fp32 over "
                       f"{args.accuracy_sequences} held-out sequences of {TRAINED_SHAPE.max_seq_len} tokens (prefill "
@@ -362,7 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     checks = Checks()
     required = {o.key: args.quantized_min_match for o in options if not o.exact}
-    check_rows(checks, rows, reference, "eager fp32", required)
+    check_rows(checks, rows, reference, "eager", required)
     for option in options:
         if isinstance(reports[option.key], str):
             checks.fail(f"accuracy ({option.key}) {option.name}: {reports[option.key]}")

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
+import math
 import statistics
 import sys
 import tempfile
@@ -37,6 +39,7 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     Row as DecodeRow,
     Shape,
     add_run_args,
+    add_shape_arg,
     aligned_table,
     build_hf_model,
     check_values,
@@ -52,6 +55,7 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     spread,
     spread_record,
     weight_bytes_per_token,
+    make_shape,
 )
 
 from etblocks.attention import Attention, CustomSDPA
@@ -97,7 +101,7 @@ REFERENCE_KEY = "c"
 # A program's output against its eager module's, max abs error / max abs output: fp32 programs compute what eager
 # does up to float rounding; quantized ones also differ in how XNNPACK rounds the dynamic int8 activations.
 TOLERANCE = {None: 1e-4, "8da8w": 0.1, "8da4w": 0.1}
-SMOKE = {"layers": 1, "rounds": 1, "calls": 4}
+SMOKE = {"shape": "tiny", "layers": 1, "rounds": 1, "calls": 4}
 
 
 class DecoderParts(nn.Module):
@@ -123,6 +127,7 @@ class DecoderParts(nn.Module):
         # One rope table per step, shared by the layers, as a swapped transformers model computes it.
         self.rope = RotaryEmbedding(default_inv_freq(shape.head_dim, shape.rope_theta)) if attention else None
         self.lm_head = nn.Linear(shape.hidden, shape.vocab, bias=False)
+        self.groups = shape.heads // shape.kv_heads
 
     def forward(self, x: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         position_embeddings = self.rope(input_pos) if self.rope is not None else None
@@ -131,7 +136,8 @@ class DecoderParts(nn.Module):
             if "attention" in layer:
                 x = x + layer["attention"](h, input_pos, position_embeddings)
             else:
-                x = x + layer["o"](layer["q"](h) + torch.cat((layer["k"](h), layer["v"](h), layer["k"](h)), dim=-1))
+                kv = layer["k"](h) + layer["v"](h)  # q's width is kv's times the query heads per K/V head
+                x = x + layer["o"](layer["q"](h) + torch.cat([kv] * self.groups, dim=-1))
             h = layer["mlp_norm"](x) if "mlp_norm" in layer else x
             x = x + layer["down"](nn.functional.silu(layer["gate"](h)) * layer["up"](h))
         return self.lm_head(x)
@@ -172,6 +178,15 @@ class Program:
     @property
     def ms(self) -> float:
         return statistics.median(self.ms_runs)
+
+
+def fitted(part: Part, shape: Shape) -> Part:
+    """The part with its 8da4w group narrowed to one that divides every linear's input width (g192 is 64 at
+    `--shape tiny`)."""
+    if part.quantize != "8da4w":
+        return part
+    group = math.gcd(part.group_size, *(in_features for _, in_features in shape.linear_shapes()))
+    return part if group == part.group_size else dataclasses.replace(part, name=f"8da4w g{group}", group_size=group)
 
 
 def build(part: Part, shape: Shape, seed: int, out_dir: Path) -> Program:
@@ -267,18 +282,19 @@ def attention_table(programs: Sequence[Program], increment: Sequence[float], lay
 def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=30, help="decoder layers (2 for a smoke run)")
+    add_shape_arg(parser)
+    parser.add_argument("--layers", type=int, default=30, help="decoder layers")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved timed rounds; medians are reported")
     parser.add_argument("--calls", type=int, default=64, help="timed calls per program per round")
     parser.add_argument("--seed", type=int, default=0)
     add_run_args(parser, "step_breakdown", SMOKE)
     args = parse_with_smoke(parser, argv, SMOKE)
-    shape = Shape(layers=args.layers)
+    shape = make_shape(args, layers=args.layers)
     if START_POS + args.calls > shape.max_seq_len:
         raise SystemExit(f"--calls {args.calls}: positions from {START_POS} must stay below the context "
                          f"{shape.max_seq_len}")
     with tempfile.TemporaryDirectory(prefix="etblocks_step_breakdown_") as out_dir:
-        programs = [build(part, shape, args.seed, Path(out_dir))
+        programs = [build(fitted(part, shape), shape, args.seed, Path(out_dir))
                     for part in (*SCHEME_PARTS, *STEP_PARTS, *ATTENTION_PARTS)]
         programs, bandwidths = in_fresh_process(time_programs, programs, args.rounds, args.calls)
     from executorch.extension.pybindings.portable_lib import _threadpool_get_thread_count
@@ -287,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     reference = by_key[REFERENCE_KEY]
     gb = [b / 1e9 for b in bandwidths]
     header = "\n".join([
-        f"One decode token through {shape.layers} layers of the SmolLM2-135M shape (hidden {shape.hidden}, "
+        f"One decode token through {shape.layers} layers of the {shape.name} shape (hidden {shape.hidden}, "
         f"{shape.heads}/{shape.kv_heads} heads, intermediate {shape.intermediate}) and the lm_head ({shape.vocab} x "
         f"{shape.hidden}), XNNPACK; {args.rounds} interleaved rounds of {args.calls} calls at positions "
         f"{START_POS}-{START_POS + args.calls - 1}, medians [min-max]; {_threadpool_get_thread_count()} ExecuTorch "

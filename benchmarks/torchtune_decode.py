@@ -63,7 +63,7 @@ REFERENCE_TOKENS = 32
 # (c2) is known wrong after its first call (module docstring): it is timed as the workaround it is, and must agree
 # on the prefill's token only.
 REQUIRED = {"c2": 1}
-SMOKE = {"layers": 1, "rows": "a,b,d", "rounds": 1, "decode_steps": 4, "prompt_len": 8, "max_seq_len": 32}
+SMOKE = {"shape": "tiny", "layers": 1, "rows": "a,b,d", "rounds": 1, "decode_steps": 4, "prompt_len": 8, "max_seq_len": 32}
 DELEGATION = "XNNPACK ops/all (partitions)"
 LOGITS_TOLERANCE = 1e-4  # max abs error / max abs logit, as etblocks' swap probe
 LLAMA3_2_MAX_POSITIONS = 131072  # as Llama 3.2's HF config: above the rope's original 8192, as transformers wants
