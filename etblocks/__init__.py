@@ -15,6 +15,7 @@ from etblocks.errors import (
     ConfigError,
     ContextOverflowError,
     EtblocksError,
+    ProgramFileError,
     UnsupportedModelError,
 )
 
@@ -24,9 +25,11 @@ _LAZY = {
     "export": "etblocks.export.driver",
     "ExportResult": "etblocks.export.driver",
     "Runner": "etblocks.export.runner",
+    "Chat": "etblocks.export.chat",
     "load_adapter": "etblocks.adapters.load",
     "set_adapter": "etblocks.adapters.load",
     "register_backend": "etblocks.backends",
+    "quiet": "etblocks.noise",
 }
 
 __all__ = [
@@ -37,6 +40,7 @@ __all__ = [
     "AdapterMismatchError",
     "BackendUnavailableError",
     "ContextOverflowError",
+    "ProgramFileError",
 ]
 
 

@@ -1,30 +1,37 @@
-"""The `etblocks` command: `export`, `run` and `backends`.
+"""The `etblocks` command: `export`, `run`, `chat` and `backends`.
 
     etblocks export --model demo|PATH --backend xnnpack --out model.pte [options]
-    etblocks run --pte model.pte (--prompt-ids 1,2,3 | --prompt TEXT --tokenizer tokenizer.json) [options]
+    etblocks run --pte model.pte (--prompt TEXT | --prompt-ids 1,2,3) [options]
+    etblocks chat --pte model.pte [--system TEXT] [options]
     etblocks backends [NAME ...]
 
 Every flag comes from one declaration (`etblocks.options`, and each backend's own options), which also gives
 the YAML config file its keys (`--config`, see `etblocks.config`); flags override the file. Errors etblocks
 expects (bad options, unsupported models, missing backends) print `error: <message>` and exit with code 2.
+Progress goes to stderr as `[  1.2s] message` lines (`etblocks.progress`); the dependencies' known noise stays
+out of the terminal unless -v (`etblocks.noise`). `--help`, and refusing a value the options declare no place
+for (an unknown backend, a bad choice), import no torch: they answer at once.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import time
 import warnings
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from etblocks.config import Resolved, all_options, load_config, read_calibration, resolve
-from etblocks.errors import ConfigError, EtblocksError
+from etblocks.errors import ConfigError, ContextOverflowError, EtblocksError, ProgramFileError
+from etblocks.noise import quiet
 from etblocks.options import RECIPE_KEYS, Option
+from etblocks.progress import LOGGER, shown, steps
 
 EXIT_ERROR = 2
 DEMO = "demo"
+CHECKPOINT_NEEDED = "give 'demo' or a local Hugging Face checkpoint directory containing config.json and *.safetensors weights"
 
 
 # ----------------------------------------------------------------------------------------------- parser
@@ -48,12 +55,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser(
         "run",
-        help="generate tokens with an exported .pte",
-        description="Generate with a .pte written by `etblocks export`, through the ExecuTorch runtime. "
+        help="generate with an exported .pte, from text or token ids",
+        description="Generate with a .pte written by `etblocks export`, through the ExecuTorch runtime: --prompt TEXT "
+        "(encoded with the tokenizer saved beside the .pte; the reply streams as it is generated) or --prompt-ids. "
         "Flags override the --config file.",
     )
     _add_options(run, "run")
     run.set_defaults(handler=cmd_run)
+
+    chat = commands.add_parser(
+        "chat",
+        help="talk with an exported .pte, turn by turn",
+        description="An interactive conversation with a .pte whose tokenizer has a chat template (saved beside it by "
+        "`etblocks export`, or --tokenizer). Replies stream as they are generated; the program's state is kept "
+        "between turns, so each turn prefills only its own tokens. /reset starts over; /exit or Ctrl-D ends.",
+    )
+    _add_options(chat, "chat")
+    chat.set_defaults(handler=cmd_chat)
 
     backends = commands.add_parser(
         "backends",
@@ -108,10 +126,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     model_name = options["model"]
     if model_name is None:
         raise ConfigError(f"model is not set; give --model {DEMO} or --model PATH (a local HF checkpoint directory), or `model:` in a config file")
+    if model_name != DEMO:
+        _checkpoint_dir(model_name)  # before the backend checks, which import torch
     backend, overrides, backend_options, dtype = _check_backend(options, lower=not options["check"])
     _check_quantization(options, backend)
     calibration = read_calibration(options["calibration"]) if options["calibration"] else None
     out = Path(options["out"])
+    tokenizer = _export_tokenizer(options)
 
     import etblocks
 
@@ -145,7 +166,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         from etblocks.export.driver import check_readiness
 
         report = check_readiness(
-            model, backend, quantize_activations=options["quantize_activations"], calibration=calibration, progress=say
+            model, backend, quantize_activations=options["quantize_activations"], calibration=calibration
         )
         print(report, flush=True)
         return 0 if report.ready else 1
@@ -153,18 +174,32 @@ def cmd_export(args: argparse.Namespace) -> int:
         model, backend=backend, out=out, max_seq_len=info.max_seq_len, bos_id=options["bos_id"],
         eos_ids=options["eos_ids"], quantize_weights=options["quantize_weights"], group_size=options["group_size"],
         quantize_embedding=options["quantize_embedding"], quantize_activations=options["quantize_activations"],
-        calibration=calibration, backend_options=backend_options, progress=say,
+        calibration=calibration, backend_options=backend_options, tokenizer=tokenizer,
     )
     seconds = {"swap": swap_seconds, **result.seconds}
     print(_export_summary(result, model_name, seconds), flush=True)
     return 0
 
 
+def _export_tokenizer(options: Resolved) -> str | None:
+    """--tokenizer, checked before any model is loaded (without it, `export` saves the checkpoint directory's
+    own tokenizer, if it has one)."""
+    source = options["tokenizer"]
+    if source is None:
+        return None
+    from etblocks.export.text import load_tokenizer
+
+    try:
+        load_tokenizer(str(source))
+    except ConfigError as exc:
+        raise ConfigError(f"{options.where('tokenizer')}: {exc}") from None
+    return str(source)
+
+
 def _check_backend(options: Resolved, lower: bool = True) -> tuple[str, dict, dict, Any]:
     """Backend, recipe overrides, backend options and the recipe's dtype, checked before any model is loaded
     (`lower=False`: the backend need not be usable here, e.g. a readiness check of QNN without its SDK)."""
     from etblocks.backends import backends, get_backend
-    from etblocks.swap.recipes import resolve_recipe
 
     try:
         spec = get_backend(options["backend"])
@@ -194,6 +229,8 @@ def _check_backend(options: Resolved, lower: bool = True) -> tuple[str, dict, di
     except ConfigError as exc:
         raise ConfigError(f"{options.where('backend')}: {exc}") from None
     overrides = {key: options[key] for key in RECIPE_KEYS if options[key] is not None}
+    from etblocks.swap.recipes import resolve_recipe  # imports torch: after the checks that need none
+
     try:
         recipe = resolve_recipe(spec.name, **overrides)
     except ConfigError as exc:
@@ -216,21 +253,7 @@ def _check_quantization(options: Resolved, backend: str) -> None:
 def load_checkpoint(path: str | Path, dtype=None):
     """`AutoModelForCausalLM.from_pretrained(path, local_files_only=True)` for a local checkpoint directory;
     `ConfigError` naming the path and what it must contain otherwise."""
-    path = Path(path)
-    needs = "give 'demo' or a local Hugging Face checkpoint directory containing config.json and *.safetensors weights"
-    if not path.exists():
-        raise ConfigError(f"model={str(path)!r} does not exist; {needs}")
-    if not path.is_dir():
-        raise ConfigError(f"model={str(path)!r} is a file, not a directory; {needs}")
-    missing = [
-        what
-        for what, present in (("config.json", (path / "config.json").is_file()), ("*.safetensors", any(path.glob("*.safetensors"))))
-        if not present
-    ]
-    if missing:
-        found = sorted(p.name for p in path.iterdir())
-        listing = ", ".join(found[:8]) + (", ..." if len(found) > 8 else "") if found else "nothing"
-        raise ConfigError(f"model={str(path)!r} has no {' and no '.join(missing)} (it holds: {listing}); {needs}")
+    path = _checkpoint_dir(path)
     from transformers import AutoModelForCausalLM
 
     kwargs = {"local_files_only": True}
@@ -241,9 +264,28 @@ def load_checkpoint(path: str | Path, dtype=None):
     except Exception as exc:  # transformers raises many types here (OSError, ValueError, KeyError, ...)
         raise ConfigError(
             f"model={str(path)!r} could not be loaded with AutoModelForCausalLM.from_pretrained: "
-            f"{type(exc).__name__}: {_first_line(exc)}; {needs}"
+            f"{type(exc).__name__}: {_first_line(exc)}; {CHECKPOINT_NEEDED}"
         ) from exc
     return model.eval()
+
+
+def _checkpoint_dir(path: str | Path) -> Path:
+    """`path`, checked to be a directory `load_checkpoint` can load (without importing transformers)."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"model={str(path)!r} does not exist; {CHECKPOINT_NEEDED}")
+    if not path.is_dir():
+        raise ConfigError(f"model={str(path)!r} is a file, not a directory; {CHECKPOINT_NEEDED}")
+    missing = [
+        what
+        for what, present in (("config.json", (path / "config.json").is_file()), ("*.safetensors", any(path.glob("*.safetensors"))))
+        if not present
+    ]
+    if missing:
+        found = sorted(p.name for p in path.iterdir())
+        listing = ", ".join(found[:8]) + (", ..." if len(found) > 8 else "") if found else "nothing"
+        raise ConfigError(f"model={str(path)!r} has no {' and no '.join(missing)} (it holds: {listing}); {CHECKPOINT_NEEDED}")
+    return path
 
 
 def _export_summary(result, model_name: str, seconds: dict[str, float]) -> str:
@@ -263,8 +305,11 @@ def _export_summary(result, model_name: str, seconds: dict[str, float]) -> str:
         f"  quantized   {result.quantize or 'none'}",
         f"  metadata    {metadata}",
         f"  time        {timings}",
-        f"next: etblocks run --pte {result.path} --prompt-ids 1,2,3 --max-new-tokens 16",
+        f"next: etblocks run --pte {result.path} "
+        + ("--prompt 'Once upon a time'" if result.tokenizer else "--prompt-ids 1,2,3") + " --max-new-tokens 16",
     ]
+    if result.tokenizer:
+        lines.insert(-1, f"  tokenizer   {result.tokenizer} (from {result.tokenizer_source})")
     for name, file in result.adapters.items():
         lines.insert(-1, f"  adapter     {name}: {file} ({file.stat().st_size / 1e6:.3f} MB)")
     if result.adapters:
@@ -279,89 +324,140 @@ def _export_summary(result, model_name: str, seconds: dict[str, float]) -> str:
 
 def cmd_run(args: argparse.Namespace) -> int:
     options = _options("run", args)
-    if options["pte"] is None:
-        raise ConfigError("pte is not set; give --pte model.pte (or `pte:` in a config file)")
     if options["prompt_ids"] is not None and options["prompt"] is not None:
         raise ConfigError(
             f"both prompt_ids ({options.where('prompt_ids')}) and prompt ({options.where('prompt')}) are set; give one"
         )
     if options["prompt_ids"] is None and options["prompt"] is None:
-        raise ConfigError("no prompt; give --prompt-ids 1,2,3 or --prompt TEXT --tokenizer tokenizer.json")
-    if options["prompt"] is not None and options["tokenizer"] is None:
-        raise ConfigError(f"prompt ({options.where('prompt')}) needs a tokenizer; give --tokenizer tokenizer.json")
+        raise ConfigError("no prompt; give --prompt TEXT or --prompt-ids 1,2,3")
     say = _progress()
-    tokenizer = load_tokenizer(options["tokenizer"]) if options["tokenizer"] else None
-    if options["prompt"] is not None:
-        prompt_ids = tokenizer.encode(options["prompt"]).ids
-        if not prompt_ids:
-            raise ConfigError(f"prompt={options['prompt']!r} encodes to no tokens with {options['tokenizer']}")
+    runner = _generating_runner(options, say)
+    text = options["prompt"] is not None
+    prompt = options["prompt"] if text else options["prompt_ids"]
+    try:
+        stream = runner.stream(prompt, **_generation(options))
+    except ContextOverflowError as exc:
+        raise _overflow(exc, options) from None
+    start = time.perf_counter()
+    if text:
+        for piece in stream:
+            print(piece, end="", flush=True)
+        print(flush=True)
+        new_ids = runner.last_ids
     else:
-        prompt_ids = options["prompt_ids"]
+        new_ids = list(stream)
+        print(f"prompt ids: {','.join(map(str, prompt))}")
+        print(f"generated ids: {','.join(map(str, new_ids))}")
+    elapsed = time.perf_counter() - start
+    eos_ids = options["eos_ids"] or runner.eos_ids
+    stopped = "EOS" if new_ids and new_ids[-1] in eos_ids else "max_new_tokens"
+    summary = (f"{len(new_ids)} tokens in {elapsed:.2f} s ({len(new_ids) / max(elapsed, 1e-9):.1f} tok/s incl. "
+               f"prefill); stopped at {stopped}")
+    print(summary, file=sys.stderr if text else sys.stdout, flush=True)
+    return 0
 
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """An interactive conversation: each line typed is a user turn; the reply streams as it is generated. The
+    program's state is kept between turns, so a turn prefills only its own tokens. Ends at EOF (Ctrl-D) or /exit;
+    /reset starts over."""
+    from etblocks.export.chat import Chat
+
+    options = _options("chat", args)
+    runner = _generating_runner(options, _progress())
+    generation = _generation(options)
+    chat = Chat(runner, system=options["system"], **generation)
+    chat.check()
+    print("chat: type a message and press Enter; /reset starts over, /exit or Ctrl-D ends", flush=True)
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            print(flush=True)
+            return 0
+        if line == "/exit":
+            return 0
+        if line == "/reset":
+            chat = Chat(runner, system=options["system"], **generation)
+            print("(new conversation)", flush=True)
+            continue
+        if not line:
+            continue
+        start = time.perf_counter()
+        try:
+            for piece in chat.stream(line):
+                print(piece, end="", flush=True)
+        except ContextOverflowError as exc:
+            print(flush=True)
+            raise _overflow(exc, options, chat=True) from None
+        print(flush=True)
+        print(f"[prefilled {chat.prefilled} tokens, generated {chat.generated} in {time.perf_counter() - start:.2f} s; "
+              f"{runner.pos} of {runner.max_context_len} positions used]", file=sys.stderr, flush=True)
+
+
+def _generating_runner(options: Resolved, say: Callable[[str], None]):
+    """The runner of `run` and `chat`: the program, its tokenizer (--tokenizer or the one beside it) and adapter."""
+    if options["pte"] is None:
+        raise ConfigError("pte is not set; give --pte model.pte (or `pte:` in a config file)")
     say(f"loading {options['pte']}")
-    runner = load_runner(options["pte"], data_path=options["data_path"], decode_tail=options["decode_tail"])
+    runner = load_runner(options["pte"], data_path=options["data_path"], decode_tail=options["decode_tail"],
+                         tokenizer=options["tokenizer"])
     if options["adapter"] is not None:
         name, file = options["adapter"]
-        from etblocks.export.adapters import adapter_file
-
-        file = Path(file) if file else adapter_file(options["pte"], name)
+        file = _adapter_file(options, runner, name, file)
         scale = 1.0 if options["adapter_scale"] is None else options["adapter_scale"]
         say(f"adapter {name!r} from {file} (scale {scale:g})")
         runner.add_adapter(name, file, scale)
         runner.set_adapter(name)
     elif options["adapter_scale"] is not None:
         raise ConfigError(f"adapter_scale ({options.where('adapter_scale')}) needs an adapter; give --adapter NAME")
-    say(f"generating up to {options['max_new_tokens']} tokens after a prompt of {len(prompt_ids)}")
-    start = time.perf_counter()
-    new_ids = runner.generate(
-        prompt_ids,
-        max_new_tokens=options["max_new_tokens"],
-        temperature=options["temperature"],
-        top_p=options["top_p"],
-        seed=options["seed"],
-        eos=options["eos_ids"],
-    )
-    elapsed = time.perf_counter() - start
-    eos_ids = options["eos_ids"] or runner.eos_ids
-    stopped = "EOS" if new_ids and new_ids[-1] in eos_ids else "max_new_tokens"
-    print(f"prompt ids: {','.join(map(str, prompt_ids))}")
-    print(f"generated ids: {','.join(map(str, new_ids))}")
-    if tokenizer is not None:
-        print(f"text: {tokenizer.decode(new_ids)}")
-    print(f"{len(new_ids)} tokens in {elapsed:.2f} s ({len(new_ids) / max(elapsed, 1e-9):.1f} tok/s incl. prefill); stopped at {stopped}")
-    sys.stdout.flush()
-    return 0
+    return runner
 
 
-def load_tokenizer(path: str | Path):
-    """A `tokenizers.Tokenizer` from a tokenizer.json; `ConfigError` if the file or the package is missing."""
-    path = Path(path)
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
+def _adapter_file(options: Resolved, runner, name: str, file: str | None) -> Path:
+    """The .ptd of `--adapter NAME[=FILE]`, once the program is known to have LoRA slots to take it."""
+    from etblocks.export.adapters import adapter_file, exported_adapters
+
+    where, pte = options.where("adapter"), options["pte"]
+    if runner.adapter_table is None:
         raise ConfigError(
-            f"tokenizer={str(path)!r} needs the `tokenizers` package, which is not installed: "
-            "pip install tokenizers (or pip install 'etblocks[test]')"
-        ) from None
-    if not path.is_file():
-        raise ConfigError(f"tokenizer={str(path)!r} is not a file; give a tokenizer.json (Hugging Face tokenizers format)")
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as exc:
+            f"adapter={name!r} ({where}): {pte} was exported without adapters, so it has no LoRA slots; export it "
+            f"with --adapter {name}=DIR (a PEFT or torchtune adapter directory) to run it with {name!r}"
+        )
+    if file:
+        return Path(file)
+    if not adapter_file(pte, name).is_file():
         raise ConfigError(
-            f"tokenizer={str(path)!r} is not a tokenizer.json the `tokenizers` library can read: {_first_line(exc)}"
-        ) from None
+            f"adapter={name!r} ({where}): {adapter_file(pte, name)} does not exist; adapters exported beside {pte}: "
+            f"{list(exported_adapters(pte)) or 'none'} (or give --adapter {name}=FILE.ptd)"
+        )
+    return adapter_file(pte, name)
 
 
-def load_runner(path: str | Path, data_path: str | Path | None = None, decode_tail: int | None = None):
+def _generation(options: Resolved) -> dict[str, Any]:
+    return {"max_new_tokens": options["max_new_tokens"], "temperature": options["temperature"],
+            "top_p": options["top_p"], "seed": options["seed"], "eos": options["eos_ids"]}
+
+
+def _overflow(exc: ContextOverflowError, options: Resolved, chat: bool = False) -> ConfigError:
+    """The context overflow said in the command's terms."""
+    fix = (f"give --max-new-tokens {exc.fits} or less" if exc.fits and exc.fits > 0
+           else "give a shorter prompt, or export with a larger --max-seq-len")
+    if chat:
+        fix += "; /reset starts a new conversation"
+    return ConfigError(f"{exc}; {fix} (max_new_tokens is {options['max_new_tokens']}, {options.where('max_new_tokens')})")
+
+
+def load_runner(path: str | Path, data_path: str | Path | None = None, decode_tail: int | None = None,
+                tokenizer: str | Path | None = None):
     from etblocks.export.runner import Runner
 
-    try:
-        return Runner(path, data_path=data_path, decode_tail=decode_tail)  # a missing file is the Runner's own ConfigError
+    try:  # files the runtime refuses are the Runner's own ProgramFileError (etblocks/program_files.py)
+        return Runner(path, data_path=data_path, decode_tail=decode_tail, tokenizer=tokenizer)
     except EtblocksError:
         raise
-    except Exception as exc:  # the runtime raises RuntimeError/ValueError for files it cannot load
-        raise ConfigError(
+    except Exception as exc:  # anything else a foreign program makes the Runner hit while reading it
+        raise ProgramFileError(
             f"pte={str(path)!r} could not be loaded by the ExecuTorch runtime ({type(exc).__name__}: {_first_line(exc)}); "
             "give a .pte written by `etblocks export`"
         ) from None
@@ -376,8 +472,8 @@ def cmd_backends(args: argparse.Namespace) -> int:
 
     for name in args.names:
         get_backend(name)  # ConfigError listing the accepted names
-    say = _progress()
-    reports = probe_backends(args.names or None, quiet=not args.verbose, on_start=lambda name: say(f"probing {name}"))
+    with steps() as say:
+        reports = probe_backends(args.names or None, quiet=not args.verbose, on_start=lambda name: say(f"probing {name}"))
     print(format_table(reports), flush=True)
     return 0
 
@@ -386,12 +482,8 @@ def cmd_backends(args: argparse.Namespace) -> int:
 
 
 def _progress() -> Callable[[str], None]:
-    start = time.perf_counter()
-
-    def say(message: str) -> None:
-        print(f"[{time.perf_counter() - start:6.1f}s] {message}", flush=True)
-
-    return say
+    """`say(message)`: a progress message of the command itself, logged on "etblocks" (shown by `main`)."""
+    return LOGGER.info
 
 
 def _first_line(exc: BaseException) -> str:
@@ -399,30 +491,31 @@ def _first_line(exc: BaseException) -> str:
     return lines[0].strip() if lines else ""
 
 
-def _quiet_libraries(verbose: bool) -> None:
-    """Hide the deprecation chatter of torch, executorch and friends unless asked for."""
-    if verbose:
-        return
-    for category in (FutureWarning, DeprecationWarning):
-        warnings.filterwarnings("ignore", category=category)
-    warnings.filterwarnings("ignore", message=".*Mutation on a buffer in the model is detected.*")
-    for name in ("torchao", "torch.utils._pytree", "coremltools"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+@contextmanager
+def _terminal(verbose: bool) -> Iterator[None]:
+    """etblocks' progress on stderr; unless `verbose`, the known dependency noise kept out (`etblocks.quiet`, which
+    lets a terminal's progress line count a long step's seconds), and other packages' deprecation warnings, which
+    concern the code calling them, not the command's user."""
+    with nullcontext() if verbose else quiet(), shown():
+        if not verbose:
+            for category in (DeprecationWarning, FutureWarning):
+                warnings.filterwarnings("ignore", category=category, module=r"(?!etblocks)")
+        yield
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    _quiet_libraries(args.verbose)
-    try:
-        return args.handler(args)
-    except EtblocksError as exc:
-        sys.stdout.flush()
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return EXIT_ERROR
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    with _terminal(args.verbose):
+        try:
+            return args.handler(args)
+        except EtblocksError as exc:
+            sys.stdout.flush()
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            return EXIT_ERROR
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ adapters:              # LoRA adapters (PEFT or torchtune directories) shipped a
 calibration: prompts.txt  # quantization calibration: one prompt of comma-separated token ids per line
 # run
 pte: model.pte         # defaults to `out` when only `out` is given
-prompt_ids: [1, 2, 3]  # or "1,2,3"; or `prompt: text` with `tokenizer: tokenizer.json`
+prompt_ids: [1, 2, 3]  # or "1,2,3"; or `prompt: text` (the tokenizer saved beside the .pte, or `tokenizer:`)
 max_new_tokens: 32
 temperature: 0.0
 top_p: 1.0
@@ -35,8 +35,9 @@ adapter_scale: 1.0     # multiplies the adapter's update
 
 Every key is an option declared in `etblocks.options` (or a backend's own option), the same the flags are built
 from; `etblocks export --help` lists them all. Flags given on the command line override the file. `null` (or an
-empty value) means "not set". Relative paths are taken relative to the working directory. Every problem raises
-`ConfigError` naming the key, the value, the line and what is accepted.
+empty value) means "not set". Relative paths are taken relative to the working directory. The problems of a file
+(unknown keys, repeated keys, values refused) are reported together in one `ConfigError`, each naming the key, the
+value, the line and what is accepted.
 """
 
 from __future__ import annotations
@@ -122,21 +123,27 @@ def parse_config(text: str, path: str | Path | None = None) -> ConfigFile:
             )
         loader.flatten_mapping(root)  # resolves `<<:` merge keys
         options = all_options()
+        problems, unknown = [], False  # every problem of the file, said at once
         for key_node, value_node in root.value:
             line = key_node.start_mark.line + 1
             key = loader.construct_object(key_node, deep=True)
             value = loader.construct_object(value_node, deep=True)
             if not isinstance(key, str) or key not in options:
                 close = difflib.get_close_matches(str(key), list(options), n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise ConfigError(
-                    f"{name}, line {line}: unknown key {key!r}{hint}; accepted keys: {', '.join(sorted(options))}"
-                )
-            if key in config.lines:
-                raise ConfigError(f"{name}, line {line}: key {key!r} is given twice (first on line {config.lines[key]})")
-            config.lines[key] = line
-            if value is not None:
-                config.values[key] = check(options[key], value, f"{name}, line {line}")
+                problems.append(f"line {line}: unknown key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+                unknown = True
+            elif key in config.lines:
+                problems.append(f"line {line}: key {key!r} is given twice (first on line {config.lines[key]})")
+            else:
+                config.lines[key] = line
+                try:
+                    if value is not None:
+                        config.values[key] = check(options[key], value, f"line {line}")
+                except ConfigError as exc:
+                    problems.append(str(exc))
+        if problems:
+            accepted = f"; accepted keys: {', '.join(sorted(options))}" if unknown else ""
+            raise ConfigError(f"{name}, {'; '.join(problems)}{accepted}")
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
         at = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -165,7 +172,7 @@ class Resolved:
 def resolve(command: str, flags: dict[str, Any], config: ConfigFile | None = None) -> Resolved:
     """Merge for `command`: defaults < config file < flags. Flag values equal to None count as not given.
 
-    For `run`, `pte` falls back to the config file's `out` (the file an `export` with the same config wrote).
+    For `run` and `chat`, `pte` falls back to the config file's `out` (the file an `export` with the same config wrote).
     """
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
@@ -180,6 +187,6 @@ def resolve(command: str, flags: dict[str, Any], config: ConfigFile | None = Non
             flag = option.flags[-1] if flags[name] is False else option.flags[0]
             values[name] = check(option, flags[name], flag)
             sources[name] = flag
-    if command == "run" and "pte" not in values and config is not None and "out" in config.values:
+    if command in ("run", "chat") and "pte" not in values and config is not None and "out" in config.values:
         values["pte"], sources["pte"] = config.values["out"], config.where("out")
     return Resolved(values, sources)

@@ -13,6 +13,11 @@ class ConfigError(EtblocksError, ValueError):
     """An option or config file holds a value etblocks does not accept."""
 
 
+class ProgramFileError(ConfigError):
+    """A file given as an ExecuTorch program (.pte) or data file (.ptd) is missing, of another kind, truncated, or
+    refused by the runtime (a `ConfigError`: the path given is the value not accepted)."""
+
+
 class AdapterMismatchError(EtblocksError):
     """An adapter does not fit the model it is loaded into."""
 
@@ -22,4 +27,9 @@ class BackendUnavailableError(EtblocksError):
 
 
 class ContextOverflowError(EtblocksError):
-    """A prompt or generation would run past the program's context length."""
+    """A prompt or generation would run past the program's context length; `fits`: how many new tokens would fit
+    after that prompt (when known), so each interface can say which of its settings to change."""
+
+    def __init__(self, message: str, fits: int | None = None) -> None:
+        super().__init__(message + (f" (at most {max(fits, 0)} new tokens fit)" if fits is not None else ""))
+        self.fits = fits

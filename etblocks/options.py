@@ -210,7 +210,8 @@ def choice(name: str, commands: tuple[str, ...], choices: tuple[str, ...], help:
 
 # ----------------------------------------------------------------------------------------------- the options
 
-EXPORT, RUN = ("export",), ("run",)
+EXPORT, RUN, CHAT = ("export",), ("run",), ("chat",)
+GENERATE = RUN + CHAT  # options of every command that generates
 
 # The swap recipe's choices (`etblocks.swap.recipes.Recipe` documents what each means).
 RECIPE_OPTIONS = (
@@ -249,7 +250,7 @@ OPTIONS_LIST = (
     *RECIPE_OPTIONS,
     Option("bos_id", EXPORT, int_at_least(0), "BOS token id stored in the program (default: the model config's)", kind=int,
            metavar="ID"),
-    Option("eos_ids", EXPORT + RUN, token_ids, "token ids that end generation (export: stored in the program, default the "
+    Option("eos_ids", EXPORT + GENERATE, token_ids, "token ids that end generation (export: stored in the program, default the "
            "model config's; run: instead of the program's)", metavar="IDS"),
     choice("quantize_weights", EXPORT, WEIGHT_SCHEMES, "torchao weight quantization: 8da4w (int8 dynamic "
            "activations, int4 weights with a scale per --group-size inputs) or 8da8w (int8 weights, a scale per output "
@@ -267,19 +268,24 @@ OPTIONS_LIST = (
            "repeat for more", kind="append", metavar="NAME=DIR", flag="--adapter"),
     Option("check", EXPORT, boolean, "print the backend's readiness report of the program instead of lowering (qnn: every "
            "op against ExecuTorch's QNN op builders, no Qualcomm SDK needed); exit code 1 if not ready", kind="switch"),
-    Option("pte", RUN, path, "the .pte to run (default: the config's pte, else its out)"),
-    Option("data_path", RUN, path, "a .ptd file holding the program's weights, if they were written apart", metavar="PTD"),
+    Option("pte", GENERATE, path, "the .pte to run (default: the config's pte, else its out)"),
+    Option("data_path", GENERATE, path, "a .ptd file holding the program's weights, if they were written apart", metavar="PTD"),
     Option("prompt_ids", RUN, token_ids, "comma-separated prompt token ids, e.g. 1,2,3", metavar="IDS"),
-    Option("prompt", RUN, text, "prompt text (needs --tokenizer)", metavar="TEXT"),
-    Option("tokenizer", RUN, path, "a tokenizer.json (HF tokenizers) to encode --prompt and decode the output", metavar="JSON"),
-    Option("max_new_tokens", RUN, int_at_least(1), "tokens to generate at most", default=32, kind=int, metavar="N"),
-    Option("temperature", RUN, temperature, "0 is greedy", default=0.0, kind=float, metavar="T"),
-    Option("top_p", RUN, top_p, "nucleus sampling mass in (0, 1]", default=1.0, kind=float, metavar="P"),
-    Option("seed", RUN, int_at_least(0), "random seed for sampling", kind=int, metavar="S"),
-    Option("adapter", RUN, adapter_choice, "run with this LoRA adapter: NAME (exported next to the .pte) or NAME=FILE.ptd",
+    Option("prompt", RUN, text, "prompt text, encoded with the program's tokenizer (the one saved beside the .pte, "
+           "or --tokenizer)", metavar="TEXT"),
+    Option("system", CHAT, text, "a system message that starts the conversation", metavar="TEXT"),
+    Option("tokenizer", EXPORT + GENERATE, path, "export: the tokenizer saved beside the .pte as <stem>.tokenizer/ (a "
+           "directory or tokenizer.json; default: the checkpoint's own); run, chat: instead of the one beside the .pte",
+           metavar="PATH"),
+    Option("max_new_tokens", GENERATE, int_at_least(1), "tokens to generate at most (per turn in chat)", default=32,
+           kind=int, metavar="N"),
+    Option("temperature", GENERATE, temperature, "0 is greedy", default=0.0, kind=float, metavar="T"),
+    Option("top_p", GENERATE, top_p, "nucleus sampling mass in (0, 1]", default=1.0, kind=float, metavar="P"),
+    Option("seed", GENERATE, int_at_least(0), "random seed for sampling", kind=int, metavar="S"),
+    Option("adapter", GENERATE, adapter_choice, "run with this LoRA adapter: NAME (exported next to the .pte) or NAME=FILE.ptd",
            metavar="NAME"),
-    Option("adapter_scale", RUN, number, "multiply the adapter's update by S (default: 1)", kind=float, metavar="S"),
-    Option("decode_tail", RUN, int_at_least(1), "static programs: a prompt remainder of at most this many tokens goes "
+    Option("adapter_scale", GENERATE, number, "multiply the adapter's update by S (default: 1)", kind=float, metavar="S"),
+    Option("decode_tail", GENERATE, int_at_least(1), "static programs: a prompt remainder of at most this many tokens goes "
            "through decode instead of a padded prefill (default: chunk // 8)", kind=int, metavar="N"),
 )
 

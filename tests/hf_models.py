@@ -201,3 +201,21 @@ def assert_untouched(model: torch.nn.Module, snapshot) -> None:
     assert model.state_dict().keys() == state.keys()
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     assert getattr(model, "etblocks_swap", None) is None
+
+
+# Text the tests train their tokenizers on (test_stock_runner.py, test_text.py).
+SENTENCES = [
+    "the quick brown fox jumps over the lazy dog",
+    "a small model learns to export itself to a phone",
+    "tokens flow through the cache one position at a time",
+    "every test asserts something that can fail",
+    "greedy decoding picks the most likely next token",
+    "rotary embeddings turn positions into angles",
+    "grouped query attention shares keys between heads",
+    "the runner reads metadata methods before it loads the forward method",
+    "weights are moved, not copied, when a block replaces an upstream module",
+    "a sliding window keeps memory proportional to the window size",
+    "quantized linear layers trade accuracy for speed on mobile devices",
+    "prefill feeds the whole prompt at once and decode feeds one token",
+    "zebras, jackets and vivid quizzes mix unusual letters",
+]

@@ -101,6 +101,17 @@ def test_unknown_key_names_line_suggestion_and_accepted(tmp_path):
     assert "accepted keys:" in message and "max_new_tokens" in message and "tokenizer" in message
 
 
+def test_every_problem_of_a_file_is_reported_at_once():
+    text = "model: demo\nmax_len: 32\nbakend: xnnpack\ntop_p: 2\nmodel: x\nsdpa: custom\n"
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, "c.yaml")
+    assert str(info.value).startswith(
+        "config file 'c.yaml', line 2: unknown key 'max_len' (did you mean 'max_seq_len'?); "
+        "line 3: unknown key 'bakend' (did you mean 'backend'?); line 4: top_p=2 (int) is not accepted; give a number "
+        "in (0, 1]; line 5: key 'model' is given twice (first on line 1); accepted keys: "
+    )
+
+
 def test_non_string_key_is_unknown():
     with pytest.raises(ConfigError, match="line 1: unknown key 1"):
         parse_config("1: 2\n")

@@ -135,10 +135,9 @@ def test_generation_past_context_is_refused_before_running(small_program):
         runner.generate(prompt, max_new_tokens=8)
     assert runner.pos == 0
     assert len(runner.generate(prompt, max_new_tokens=7)) == 7  # exactly fills the context
-    with pytest.raises(ContextOverflowError):
-        runner.generate([5], max_new_tokens=1)
-    runner.reset()
-    assert len(runner.generate(prompt, max_new_tokens=2)) == 2
+    with pytest.raises(ContextOverflowError, match=r"at most 0 new tokens fit"):
+        runner.generate([5], max_new_tokens=1, fresh=False)
+    assert len(runner.generate(prompt, max_new_tokens=2)) == 2  # a new sequence
 
 
 def test_chunk_larger_than_context():
@@ -211,7 +210,7 @@ def test_static_runner_refuses_caches_of_wrong_shape_or_dtype(small_static_progr
     # restoring what it saved continues exactly like the runner that never stopped
     fresh = etblocks.Runner(small_static_program)
     fresh.restore(caches, pos)
-    assert fresh.generate([7], max_new_tokens=3) == runner.generate([7], max_new_tokens=3)
+    assert fresh.generate([7], max_new_tokens=3, fresh=False) == runner.generate([7], max_new_tokens=3, fresh=False)
 
 
 @pytest.mark.slow

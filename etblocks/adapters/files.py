@@ -16,8 +16,10 @@ from torch import nn
 
 from etblocks.adapters.lora import LoRALinear, LoRATensors
 from etblocks.errors import AdapterMismatchError
+from etblocks.program_files import check_data_file, write_whole
 
 _KEY = re.compile(r"^(?P<target>.+)\.(?P<part>lora_A|lora_B)$")
+ADAPTER_FILE = "an etblocks adapter file (.ptd with lora_A/lora_B tensors)"
 
 
 def adapter_tensors(model: nn.Module, name: str) -> dict[str, LoRATensors]:
@@ -48,19 +50,17 @@ def save_adapter_file(tensors: dict[str, LoRATensors], path: str | Path) -> Path
             tensor = tensor.detach().contiguous()
             entries[f"{target}.{part}"] = DataEntry(len(buffers), 16, TensorLayout.from_tensor(tensor))
             buffers.append(tensor.view(torch.uint8).numpy().tobytes())
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(bytes(FlatTensorSerializer().serialize(DataPayload(buffers=buffers, named_data=entries))))
-    return path
+    return write_whole(path, bytes(FlatTensorSerializer().serialize(DataPayload(buffers=buffers, named_data=entries))))
 
 
 def read_adapter_file(path: str | Path) -> dict[str, LoRATensors]:
-    """The tensors of a `.ptd` adapter file per target; `AdapterMismatchError` for anything else."""
+    """The tensors of a `.ptd` adapter file per target: `ProgramFileError` for a file that is no FlatTensor file
+    (checked before it is parsed), `AdapterMismatchError` for one that holds no LoRA tensors."""
     from executorch.exir._serialize._cord import Cord
     from executorch.exir.tensor import get_scalar_type
     from executorch.extension.flat_tensor.serialize.serialize import FlatTensorSerializer
 
-    path = Path(path)
+    path = check_data_file(path, ADAPTER_FILE)
     try:
         payload = FlatTensorSerializer().deserialize(Cord(path.read_bytes()))
         parts: dict[str, dict[str, torch.Tensor]] = {}
@@ -72,10 +72,8 @@ def read_adapter_file(path: str | Path) -> dict[str, LoRATensors]:
             data = bytearray(payload.buffers[entry.buffer_index])
             tensor = torch.frombuffer(data, dtype=get_scalar_type(layout.scalar_type)).reshape(layout.sizes)
             parts.setdefault(match["target"], {})[match["part"]] = tensor
-    except FileNotFoundError:
-        raise AdapterMismatchError(f"adapter file {path} does not exist") from None
-    except Exception as exc:  # truncated or foreign bytes: the deserializer raises whatever it hits first
-        raise AdapterMismatchError(f"{path} is not an etblocks adapter file (.ptd with lora_A/lora_B tensors): {exc}") from None
+    except Exception as exc:  # a FlatTensor file of other tensors, or corrupt inside: the first error it hits
+        raise AdapterMismatchError(f"{path} is not {ADAPTER_FILE}: {exc}") from None
     tensors = {}
     for target, pair in parts.items():
         if set(pair) != {"lora_A", "lora_B"} or pair["lora_A"].shape[0] != pair["lora_B"].shape[1]:

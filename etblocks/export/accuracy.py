@@ -19,6 +19,7 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from etblocks.errors import ConfigError
+from etblocks.progress import Progress, reporting
 
 KL_PERCENTILE = 0.99
 
@@ -63,8 +64,14 @@ class EagerModel:
         return logits[0, -1]
 
 
+@reporting
 def next_token_agreement(
-    reference: LogitsModel, candidate: LogitsModel, sequences: Sequence[Sequence[int]], prefill: int
+    reference: LogitsModel,
+    candidate: LogitsModel,
+    sequences: Sequence[Sequence[int]],
+    prefill: int,
+    *,
+    progress: Progress | bool | None = None,
 ) -> AccuracyReport:
     """Compare `candidate` with `reference` over teacher-forced `sequences`.
 
@@ -72,10 +79,12 @@ def next_token_agreement(
     tokens one per call (decode steps through the KV cache); the next-token distributions are compared after every
     call, so a sequence of length L gives L - prefill + 1 positions. Raises `ConfigError` for no sequences, a
     `prefill` outside 1..len(sequence), or logits that are not `[V]` or whose V differ between the two.
+    `progress` shows a step per sequence as `etblocks.export` shows its steps.
     """
     _check_inputs(sequences, prefill)
     agree, kls = 0, []
-    for sequence in sequences:
+    for number, sequence in enumerate(sequences, start=1):
+        progress(f"comparing next-token distributions on sequence {number} of {len(sequences)}")  # @reporting's say
         tokens = [int(t) for t in sequence]
         reference.reset()
         candidate.reset()

@@ -16,6 +16,7 @@ LoRA matmuls, delegated with everything else, receive the slots as run-time inpu
 
 from __future__ import annotations
 
+import glob
 import json
 import types
 from contextlib import contextmanager
@@ -121,6 +122,14 @@ def adapter_file(program: str | Path, name: str) -> Path:
     """Where `export` writes adapter `name` of the program at `program`: `<dir>/<stem>.<name>.ptd`."""
     program = Path(program)
     return program.with_name(f"{program.stem}.{name}.ptd")
+
+
+def exported_adapters(program: str | Path) -> dict[str, Path]:
+    """The adapter files beside the program at `program`, by name (the files `adapter_file` names)."""
+    program = Path(program)
+    prefix = f"{program.stem}."
+    files = program.parent.glob(f"{glob.escape(prefix)}*.ptd")
+    return {file.name[len(prefix) : -len(".ptd")]: file for file in sorted(files)}
 
 
 def lora_layers(model: nn.Module) -> list[tuple[str, LoRALinear]]:

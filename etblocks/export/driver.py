@@ -6,7 +6,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -28,13 +28,15 @@ from etblocks.export.delegation import DelegationSummary, summarize
 from etblocks.export.hybrid import attention_on_cpu
 from etblocks.export.programs import DynamicProgram, StaticProgram, dynamic_program, static_program
 from etblocks.export.quantize import quantize_static
+from etblocks.export.text import checkpoint_tokenizer, load_tokenizer, save_tokenizer
 from etblocks.export.weights import WeightQuantization, quantized_weights, weight_quantization
 from etblocks.ops import load_llama_custom_ops
 from etblocks.options import DEFAULT_GROUP_SIZE, OPTIONS, check
+from etblocks.program_files import write_whole
+from etblocks.progress import Progress, reporting
 from etblocks.state.base import reset_states
 from etblocks.swap.recipes import Recipe, check_lowers
 
-Progress = Callable[[str], None]
 AUTO = "auto"
 
 
@@ -42,7 +44,8 @@ AUTO = "auto"
 class ExportResult:
     """`delegations` holds one summary per method; `delegation` adds them up. `quantize` says what quantization was
     applied (None: none). `adapters` maps each adapter loaded into the model to its `.ptd` file (switched at run time
-    by `Runner.set_adapter`)."""
+    by `Runner.set_adapter`). `tokenizer`: the directory the tokenizer was saved to beside the program (None: none
+    was given), and `tokenizer_source` where it came from."""
 
     path: Path
     backend: str
@@ -52,6 +55,8 @@ class ExportResult:
     seconds: dict[str, float] = field(default_factory=dict)
     quantize: str | None = None
     adapters: dict[str, Path] = field(default_factory=dict)
+    tokenizer: Path | None = None
+    tokenizer_source: str | None = None
 
     @property
     def delegation(self) -> DelegationSummary:
@@ -84,6 +89,7 @@ class ExportPlan:
         return self.activations or (str(self.weights) if self.weights else None)
 
 
+@reporting
 def export(
     model: nn.Module,
     backend: str = "xnnpack",
@@ -99,7 +105,8 @@ def export(
     quantize_activations: str | None = AUTO,
     calibration: Iterable[Sequence[int]] | None = None,
     backend_options: Mapping[str, Any] | None = None,
-    progress: Progress | None = None,
+    progress: Progress | bool | None = None,
+    tokenizer: Any = None,
 ) -> ExportResult:
     """Export, lower and save.
 
@@ -126,8 +133,20 @@ def export(
     The model itself keeps its float weights. `ExportResult.quantize` says what was applied. `backend_options`:
     the backend's own options (e.g. qnn's `chipset`). Errors (`ConfigError`, `BackendUnavailableError`) come
     before any work.
+
+    `tokenizer` (a checkpoint or tokenizer directory, a tokenizer.json, or a transformers tokenizer; default: the
+    directory a transformers model was loaded from, when it holds one) is saved beside the program as
+    `<stem>.tokenizer/`, where `Runner` finds it to take and return text.
+
+    `progress`: each step (exporting, calibrating, lowering, serializing) is logged on the "etblocks" logger and,
+    with the default None, shown on stderr with the elapsed time when it is a terminal and `logging` is not
+    configured (a terminal's line counts the running step's seconds inside `etblocks.quiet()`); True shows them on
+    stderr anywhere, False not; a callable is also given each step's message (see `etblocks.progress`).
     """
     partitioners = get_backend(backend).usable_partitioners(backend_options)  # typed errors before any work
+    if tokenizer is None:
+        tokenizer = checkpoint_tokenizer(model)
+    text_tokenizer = load_tokenizer(tokenizer) if tokenizer is not None else None
     plan = make_plan(
         model, backend, max_seq_len=max_seq_len, bos_id=bos_id, eos_ids=eos_ids, vocab_size=vocab_size,
         quantize_weights=quantize_weights, group_size=group_size, quantize_embedding=quantize_embedding,
@@ -163,9 +182,7 @@ def export(
     start = time.perf_counter()
     plan.say("serializing")
     executorch_program = edge.to_executorch(_backend_config(share_mutable_buffers=slotted))
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(executorch_program.buffer)
+    path = write_whole(out, executorch_program.buffer)
     adapters = {}
     if has_adapters:
         for name in adapter_names(model):
@@ -173,12 +190,16 @@ def export(
     seconds["serialize"] = time.perf_counter() - start
     methods = [*exported, *program.metadata]
     result = ExportResult(path, plan.backend.name, methods, program.metadata, delegations, seconds, plan.applied, adapters)
+    if text_tokenizer is not None:
+        result.tokenizer = save_tokenizer(text_tokenizer, path)
+        result.tokenizer_source = str(tokenizer) if isinstance(tokenizer, (str, Path)) else type(tokenizer).__name__
     plan.say(f"wrote {path} ({result.size_mb:.1f} MB); {result.delegation}")
     for name, file in adapters.items():
         plan.say(f"wrote adapter {name!r} to {file} ({file.stat().st_size / 1e6:.2f} MB)")
     return result
 
 
+@reporting
 def check_readiness(
     model: nn.Module,
     backend: str,
@@ -186,12 +207,13 @@ def check_readiness(
     max_seq_len: int | None = None,
     quantize_activations: str | None = AUTO,
     calibration: Iterable[Sequence[int]] | None = None,
-    progress: Progress | None = None,
+    progress: Progress | bool | None = None,
 ) -> Readiness:
     """The backend's readiness report of the program `export(model, backend=...)` would lower (exported and
     quantized as it would be), for backends whose lowering cannot run here (qnn without the Qualcomm SDK: every op
     checked against ExecuTorch's registered QNN op builders, plus static shapes and dtypes). `str(report)` prints
-    it; `report.ready` says whether nothing was found in the way."""
+    it; `report.ready` says whether nothing was found in the way. It takes minutes on a real model: `progress` shows
+    its steps as `export`'s does."""
     plan = make_plan(
         model, backend, max_seq_len=max_seq_len, quantize_activations=quantize_activations, calibration=calibration,
         progress=progress,

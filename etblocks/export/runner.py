@@ -1,7 +1,9 @@
-"""`Runner`: generate with an exported etblocks program through the ExecuTorch Python runtime."""
+"""`Runner`: generate with an exported etblocks program through the ExecuTorch Python runtime, from token ids or
+text (`etblocks.export.chat.Chat` keeps a conversation going on one)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -13,17 +15,23 @@ from etblocks.errors import ConfigError, ContextOverflowError
 from etblocks.export.adapters import ADAPTERS_METHOD, SET_ADAPTER_METHOD, AdapterTable
 from etblocks.export.contract import CONTRACT_METHOD, StaticContract
 from etblocks.export.feeders import DynamicFeeder, StaticFeeder
+from etblocks.export.text import Message, encode, encode_chat, find_tokenizer, load_tokenizer, text_pieces
 from etblocks.ops import load_kernels
+from etblocks.program_files import load_program
 
 
 class Runner:
-    """Generates from token ids with an etblocks program through the ExecuTorch Python runtime.
+    """Generates with an etblocks program through the ExecuTorch Python runtime.
 
     It reads the program's contract: a dynamic `forward(tokens[1, T], input_pos[1])`, or a static `prefill` /
-    `decode` pair with caller-owned state, which the runner then owns (see `etblocks.export.contract`). The
-    absolute position carries across `generate` calls (a chat continues where it stopped); `reset()` starts a
-    new sequence. `decode_tail` (static programs): a prompt remainder of at most this many tokens goes through
-    `decode` token by token instead of a padded `prefill` (default: chunk // 8).
+    `decode` pair with caller-owned state, which the runner then owns (see `etblocks.export.contract`).
+    `generate`, `stream` and `chat` take text (encoded by the program's tokenizer) or token ids, and start a new
+    sequence unless `fresh=False`, which continues at `pos` (after `forward` or `restore`, say); `Chat` keeps a
+    conversation's state between turns. `decode_tail` (static programs): a prompt remainder of at most this many
+    tokens goes through `decode` token by token instead of a padded `prefill` (default: chunk // 8).
+
+    `tokenizer`: a directory, a tokenizer.json or a transformers tokenizer; default: the one `etblocks.export`
+    saved beside the program (`<stem>.tokenizer/`), loaded when text first needs it.
 
     `adapters` (programs exported with LoRA adapters): `{name: adapter file}` or `{name: (file, scale)}`, read
     into host memory now; `set_adapter(name | None)` switches between them and the base model without reloading
@@ -36,15 +44,11 @@ class Runner:
         data_path: str | Path | None = None,
         decode_tail: int | None = None,
         adapters: Mapping[str, str | Path | tuple[str | Path, float]] | None = None,
+        tokenizer: Any = None,
     ) -> None:
-        from executorch.runtime import Runtime
-
-        load_kernels()
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"path={str(path)!r} is not a file; give the .pte written by etblocks.export")
-        kwargs = {"data_path": str(data_path)} if data_path else {}
-        self.program = Runtime.get().load_program(str(path), **kwargs)
+        self.program = load_program(path, data_path)  # ProgramFileError for a file that is not a program
+        load_kernels()  # before any method loads, after the file checks: a file that is no program fails first
         methods = set(self.program.method_names)
         self.eos_ids = [int(t) for t in self._constant("get_eos_ids", [])]
         self.contract: StaticContract | None = None
@@ -73,6 +77,22 @@ class Runner:
         self.adapter: str | None = None
         for name, file in (adapters or {}).items():
             self.add_adapter(name, *(file if isinstance(file, tuple) else (file,)))
+        self.last_ids: list[int] = []  # the tokens the last generate / stream / chat call produced
+        self._tokenizer_source = tokenizer if tokenizer is not None else find_tokenizer(path)
+        self._tokenizer: Any = None
+        self.path = path
+
+    @property
+    def tokenizer(self) -> Any:
+        """The transformers tokenizer text goes through; `ConfigError` if the program has none."""
+        if self._tokenizer is None:
+            if self._tokenizer_source is None:
+                raise ConfigError(
+                    f"{self.path} has no tokenizer beside it ({self.path.with_suffix('.tokenizer')}/ or tokenizer.json); "
+                    "give tokenizer= (a directory or tokenizer.json), or token ids instead of text"
+                )
+            self._tokenizer = load_tokenizer(self._tokenizer_source)
+        return self._tokenizer
 
     def add_adapter(self, name: str, path: str | Path, scale: float = 1.0) -> None:
         """Read the adapter file at `path` (written by `etblocks.export`) as `name`, its update scaled by `scale`;
@@ -151,38 +171,88 @@ class Runner:
 
     def generate(
         self,
-        prompt_ids: list[int],
+        prompt: str | Sequence[int],
         max_new_tokens: int = 32,
         eos: int | Iterable[int] | None = None,
         temperature: float = 0.0,
         top_p: float = 1.0,
         seed: int | None = None,
-    ) -> list[int]:
-        """New tokens after `prompt_ids`; stops after an EOS token (included). `eos=None` uses the program's."""
-        prompt_ids = [int(t) for t in prompt_ids]
-        if not prompt_ids:
-            raise ConfigError("prompt_ids=[] is empty; give at least one token id")
+        fresh: bool = True,
+    ) -> str | list[int]:
+        """What the program generates after `prompt`: text after a text prompt (encoded with the tokenizer's
+        special tokens, decoded without them), new token ids after token ids. Stops after an EOS token (included
+        in ids). `eos=None` uses the program's. `fresh=False` continues the current sequence instead of starting
+        a new one."""
+        tokens = self._tokens(self._ids(prompt), max_new_tokens, eos, temperature, top_p, seed, fresh)
+        if isinstance(prompt, str):
+            return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+        return list(tokens)
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 32,
+        eos: int | Iterable[int] | None = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        fresh: bool = True,
+    ) -> Iterator[str] | Iterator[int]:
+        """`generate` one piece at a time, as each token comes: text pieces after a text prompt (they join to
+        `generate`'s text), token ids after token ids."""
+        tokens = self._tokens(self._ids(prompt), max_new_tokens, eos, temperature, top_p, seed, fresh)
+        return text_pieces(self.tokenizer, tokens) if isinstance(prompt, str) else tokens
+
+    def chat(self, messages: Sequence[Message], max_new_tokens: int = 256, **generation: Any) -> str:
+        """The assistant's reply to `messages` (`[{"role": "user", "content": ...}, ...]`, rendered by the
+        tokenizer's chat template with the generation prompt); a new sequence. `generation`: as `generate`.
+        `Chat` keeps a conversation going turn by turn."""
+        ids = encode_chat(self.tokenizer, messages)
+        return self.tokenizer.decode(self.generate(ids, max_new_tokens, **generation), skip_special_tokens=True)
+
+    def _ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return encode(self.tokenizer, prompt)
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ConfigError("prompt=[] is empty; give at least one token id, or text")
+        return ids
+
+    def _tokens(
+        self, prompt_ids: list[int], max_new_tokens: int, eos: int | Iterable[int] | None, temperature: float,
+        top_p: float, seed: int | None, fresh: bool,
+    ) -> Iterator[int]:
+        """Check everything, then (lazily) feed the prompt and yield each new token as it is chosen."""
         if max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={max_new_tokens} is not accepted; give an integer >= 1")
         if temperature < 0 or not 0 < top_p <= 1:
             raise ConfigError(f"temperature={temperature}, top_p={top_p}: accepted are temperature >= 0, 0 < top_p <= 1")
-        needed = self.pos + len(prompt_ids) + max_new_tokens - 1
+        start = 0 if fresh else self.pos
+        needed = start + len(prompt_ids) + max_new_tokens - 1
         if needed > self.max_context_len:
             raise ContextOverflowError(
-                f"prompt of {len(prompt_ids)} tokens at position {self.pos} plus max_new_tokens={max_new_tokens} "
-                f"needs {needed} positions; the program's context is {self.max_context_len} "
-                f"(at most {self.max_context_len - self.pos - len(prompt_ids) + 1} new tokens fit; reset() frees it)"
+                f"prompt of {len(prompt_ids)} tokens at position {start} plus max_new_tokens={max_new_tokens} "
+                f"needs {needed} positions; the program's context is {self.max_context_len}",
+                fits=self.max_context_len - start - len(prompt_ids) + 1,
             )
+        if fresh:
+            self.reset()
         stop = set(self.eos_ids if eos is None else ([eos] if isinstance(eos, int) else eos))
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        return self._sample(prompt_ids, max_new_tokens, stop, temperature, top_p, generator)
+
+    def _sample(self, prompt_ids: list[int], max_new_tokens: int, stop: set[int], temperature: float, top_p: float,
+                generator: torch.Generator | None) -> Iterator[int]:
+        self.last_ids = []
         logits = self.forward(prompt_ids)
-        new_tokens: list[int] = []
-        while True:
+        for count in range(1, max_new_tokens + 1):
             token = sample(logits, temperature, top_p, generator)
-            new_tokens.append(token)
-            if token in stop or len(new_tokens) == max_new_tokens:
+            self.last_ids.append(token)
+            if token in stop or count == max_new_tokens:
                 self._unfed = [token]
-                return new_tokens
+                yield token
+                return
+            yield token
             logits = self.forward([token])
 
 

@@ -22,7 +22,7 @@ from etblocks.adapters import merge_adapter
 from etblocks.adapters.files import adapter_tensors, save_adapter_file
 from etblocks.adapters.peft import read_peft_adapter
 from etblocks.backends import _REGISTRY, Backend, get_backend, register_backend
-from etblocks.errors import AdapterMismatchError, ConfigError
+from etblocks.errors import AdapterMismatchError, ConfigError, ProgramFileError
 from etblocks.export.adapters import adapter_slots, lora_layers
 
 ATOL = 1e-4  # the exported program vs eager PEFT
@@ -133,9 +133,9 @@ def test_adapter_files_that_do_not_fit_are_refused(exported, tmp_path):
         runner.add_adapter("L", larger)
     corrupt = tmp_path / "corrupt.ptd"
     corrupt.write_bytes(result.adapters["A"].read_bytes()[:100])
-    with pytest.raises(AdapterMismatchError, match="is not an etblocks adapter file"):
+    with pytest.raises(ProgramFileError, match=r"corrupt\.ptd is truncated: its header declares \d+ bytes, the file holds 100"):
         runner.add_adapter("C", corrupt)
-    with pytest.raises(AdapterMismatchError, match="does not exist"):
+    with pytest.raises(ProgramFileError, match="missing.ptd does not exist; expected an etblocks adapter file"):
         runner.add_adapter("M", tmp_path / "missing.ptd")
     assert runner.adapters == ["A"]
     with pytest.raises(ConfigError, match=r"name='B' is not an added adapter; added: \['A'\]"):

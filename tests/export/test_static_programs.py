@@ -78,13 +78,13 @@ def test_runner_greedy_matches_hf_generate(exported):
 
 @pytest.mark.slow
 def test_runner_continues_a_conversation(exported):
-    """Two generate calls without reset equal one HF generate over the concatenation."""
+    """A second generate call with fresh=False continues: it equals one HF generate over the concatenation."""
     _, _, original, result = exported
     runner = etblocks.Runner(result.path)
     first = prompt_ids(11)[0].tolist()
     reply = runner.generate(first, max_new_tokens=4)
     second = prompt_ids(6, seed=2)[0].tolist()
-    continued = runner.generate(second, max_new_tokens=8)
+    continued = runner.generate(second, max_new_tokens=8, fresh=False)
     assert continued == hf_greedy(original, torch.tensor([first + reply + second]), 8)
 
 
@@ -100,7 +100,7 @@ def test_saved_state_resumes_to_the_same_tokens(exported):
     runner.reset()
     runner.generate(prompt_ids(9, seed=3)[0].tolist(), max_new_tokens=4)
     runner.restore(saved, fed)
-    assert first + runner.generate(first[-1:], max_new_tokens=6) == expected
+    assert first + runner.generate(first[-1:], max_new_tokens=6, fresh=False) == expected
 
 
 def test_contract_describes_layers_and_windows():

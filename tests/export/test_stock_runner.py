@@ -11,28 +11,13 @@ import copy
 
 import pytest
 import torch
-from hf_models import tiny_model
+from hf_models import SENTENCES, tiny_model
 from peft_refs import ADAPTERS, make_adapter
 
 pytest.importorskip("tokenizers")
 pytest.importorskip("executorch.extension.llm.runner")
 pytestmark = pytest.mark.slow
 
-SENTENCES = [
-    "the quick brown fox jumps over the lazy dog",
-    "a small model learns to export itself to a phone",
-    "tokens flow through the cache one position at a time",
-    "every test asserts something that can fail",
-    "greedy decoding picks the most likely next token",
-    "rotary embeddings turn positions into angles",
-    "grouped query attention shares keys between heads",
-    "the runner reads metadata methods before it loads the forward method",
-    "weights are moved, not copied, when a block replaces an upstream module",
-    "a sliding window keeps memory proportional to the window size",
-    "quantized linear layers trade accuracy for speed on mobile devices",
-    "prefill feeds the whole prompt at once and decode feeds one token",
-    "zebras, jackets and vivid quizzes mix unusual letters",
-]
 PROMPT = "the lazy fox learns to export one token at a time"
 MAX_NEW_TOKENS = 12
 MAX_SEQ_LEN = 64
