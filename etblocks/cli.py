@@ -181,19 +181,17 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _export_tokenizer(options: Resolved) -> str | None:
-    """--tokenizer, checked before any model is loaded (without it, `export` saves the checkpoint directory's
-    own tokenizer, if it has one)."""
-    source = options["tokenizer"]
-    if source is None:
+def _export_tokenizer(options: Resolved) -> Any:
+    """--tokenizer, loaded before any model is (without it, `export` saves the checkpoint directory's own tokenizer,
+    if it has one)."""
+    if options["tokenizer"] is None:
         return None
     from etblocks.export.text import load_tokenizer
 
     try:
-        load_tokenizer(str(source))
+        return load_tokenizer(str(options["tokenizer"]))
     except ConfigError as exc:
         raise ConfigError(f"{options.where('tokenizer')}: {exc}") from None
-    return str(source)
 
 
 def _check_backend(options: Resolved, lower: bool = True) -> tuple[str, dict, dict, Any]:

@@ -23,6 +23,11 @@ class Chat:
         self.prefilled = 0  # tokens the last turn fed before generating
         self.generated = 0  # tokens the last turn generated, the last ones of `ids`
 
+    @property
+    def reply_ids(self) -> list[int]:
+        """The last turn's generated ids (the end of `ids`)."""
+        return self.ids[len(self.ids) - self.generated:]
+
     def check(self) -> None:
         """`ConfigError` now, not at the first turn, if the runner has no tokenizer or it has no chat template."""
         render_chat(self.runner.tokenizer, [{"role": "user", "content": "hi"}])
@@ -42,7 +47,7 @@ class Chat:
         self.prefilled, self.generated = len(prompt), 0
         self.ids = ([] if fresh else self.ids) + prompt
         yield from text_pieces(tokenizer, self._recorded(tokens))
-        reply = tokenizer.decode(self.ids[len(self.ids) - self.generated:], skip_special_tokens=True)
+        reply = tokenizer.decode(self.reply_ids, skip_special_tokens=True)
         self.messages = [*messages, {"role": "assistant", "content": reply}]
 
     def _recorded(self, tokens: Iterator[int]) -> Iterator[int]:
@@ -59,13 +64,10 @@ class Chat:
             return None
         past = render_chat(tokenizer, self.messages, add_generation_prompt=False)
         new = render_chat(tokenizer, messages)
-        said = tokenizer.decode(self._last_reply_ids(), skip_special_tokens=False)
+        said = tokenizer.decode(self.reply_ids, skip_special_tokens=False)
         end = past.rfind(said) if said else -1
         if not new.startswith(past) or end < 0:
             return None
         added = past[end + len(said):] + new[len(past):]
         ids = list(tokenizer(added, add_special_tokens=False)["input_ids"])
         return ids or None
-
-    def _last_reply_ids(self) -> list[int]:
-        return self.ids[len(self.ids) - self.generated:] if self.generated else []

@@ -192,7 +192,7 @@ def export(
     result = ExportResult(path, plan.backend.name, methods, program.metadata, delegations, seconds, plan.applied, adapters)
     if text_tokenizer is not None:
         result.tokenizer = save_tokenizer(text_tokenizer, path)
-        result.tokenizer_source = str(tokenizer) if isinstance(tokenizer, (str, Path)) else type(tokenizer).__name__
+        result.tokenizer_source = getattr(text_tokenizer, "name_or_path", "") or type(text_tokenizer).__name__
     plan.say(f"wrote {path} ({result.size_mb:.1f} MB); {result.delegation}")
     for name, file in adapters.items():
         plan.say(f"wrote adapter {name!r} to {file} ({file.stat().st_size / 1e6:.2f} MB)")

@@ -44,7 +44,7 @@ def load_tokenizer(source: Any) -> Any:
         if path.is_file():
             from transformers import PreTrainedTokenizerFast
 
-            return PreTrainedTokenizerFast(tokenizer_file=str(path))
+            return PreTrainedTokenizerFast(tokenizer_file=str(path), name_or_path=str(path))
     except Exception as exc:  # transformers raises OSError, ValueError, KeyError, ... for files it cannot read
         first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
         raise ConfigError(f"tokenizer={str(path)!r} could not be loaded by transformers: {first}") from None
@@ -118,35 +118,37 @@ def encode_chat(tokenizer: Any, messages: Sequence[Message]) -> list[int]:
 
 class TextStream:
     """Text of generated ids as they come: each `push` returns what the new id adds; an id that ends inside a
-    multi-byte character is held back until the character is complete. The pieces join to
+    multi-byte character is held back until the character is complete. Each step decodes a window, not every id so
+    far: the ids of the last piece shown, again as context (SentencePiece drops a space at the start of a decode;
+    bytes join across ids), and the ids after them; so a step costs the same at any length. The pieces join to
     `tokenizer.decode(ids, skip_special_tokens=True)` whenever decoding more ids only appends text (byte-level BPE
     and SentencePiece tokenizers); a tokenizer that rewrites earlier text shows the rest at `flush`."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.emitted = ""
+        self.shown = 0  # ids[:shown] are in the pieces returned so far
+        self.context = 0  # ids[context:shown]: the last piece's ids, decoded again before the new ones
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        text = self.text()
-        if text.endswith("\ufffd") or not text.startswith(self.emitted):
+        before, text = self._window()
+        if text.endswith("\ufffd") or len(text) <= len(before) or not text.startswith(before):
             return ""
-        return self._emit(text)
+        self.context, self.shown = self.shown, len(self.ids)
+        return text[len(before):]
 
     def flush(self) -> str:
         """What is left at the end: a held-back character, or the text after the longest part already shown."""
-        text = self.text()
-        if not text.startswith(self.emitted):
-            self.emitted = os.path.commonprefix([self.emitted, text])
-        return self._emit(text)
+        before, text = self._window()
+        self.context = self.shown = len(self.ids)
+        return text[len(os.path.commonprefix([before, text])):]
 
-    def text(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
-
-    def _emit(self, text: str) -> str:
-        piece, self.emitted = text[len(self.emitted):], text
-        return piece
+    def _window(self) -> tuple[str, str]:
+        """The window's text without and with the ids not shown yet."""
+        window = self.ids[self.context:]
+        decode = self.tokenizer.decode
+        return decode(window[: self.shown - self.context], skip_special_tokens=True), decode(window, skip_special_tokens=True)
 
 
 def text_pieces(tokenizer: Any, tokens: Iterable[int]) -> Iterator[str]:

@@ -278,3 +278,34 @@ def test_cli_export_of_a_checkpoint_saves_its_tokenizer(checkpoint, exported, tm
     assert f"tokenizer   {out.with_suffix('.tokenizer')} (from {directory})" in capsys.readouterr().out
     assert main(["run", "--pte", str(out), "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS)]) == 0
     assert capsys.readouterr().out == etblocks.Runner(exported.path).generate(PROMPT, max_new_tokens=NEW_TOKENS) + "\n"
+
+
+def test_streamed_pieces_join_to_the_decoded_text():
+    """Random ids of a byte-level tokenizer (partial UTF-8 characters included) and a SentencePiece-style one
+    (a space marker that a decode drops at its start): the pieces, each decoded from a window of ids, join to the
+    decode of all the ids, and a character split across ids comes out whole."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from etblocks.export.text import text_pieces
+
+    def trained(pre_tokenizer, decoder, **options):
+        raw = Tokenizer(models.BPE())
+        raw.pre_tokenizer, raw.decoder = pre_tokenizer, decoder
+        raw.train_from_iterator(["héllo wörld, ünïcode 日本語 text"] * 4, trainers.BpeTrainer(show_progress=False, **options))
+        return PreTrainedTokenizerFast(tokenizer_object=raw)
+
+    byte_level = trained(pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel(), vocab_size=300,
+                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    metaspace = trained(pre_tokenizers.Metaspace(), decoders.Metaspace(), vocab_size=60)
+    rng = random.Random(0)
+    for tokenizer in (byte_level, metaspace):
+        for _ in range(100):
+            ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 30))]
+            assert "".join(text_pieces(tokenizer, ids)) == tokenizer.decode(ids, skip_special_tokens=True), ids
+    byte_ids = byte_level.convert_tokens_to_ids(byte_level.tokenize("日"))
+    assert len(byte_ids) > 1 and list(text_pieces(byte_level, byte_ids)) == ["日"]
+    words = metaspace("hello wörld text")["input_ids"]
+    assert "".join(text_pieces(metaspace, words)) == metaspace.decode(words) == "hello wörld text"
