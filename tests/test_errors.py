@@ -11,23 +11,33 @@ from hf_models import assert_untouched, family_pair, original_and_copy, prompt_i
 import etblocks
 from etblocks.errors import BackendUnavailableError, ConfigError, ContextOverflowError, UnsupportedModelError
 from etblocks.backends import get_backend
-from etblocks.swap.hf.fallback import infer_layout
+from etblocks.swap.hf.fallback import infer_layouts
 
 
 def test_unknown_architecture_names_class_and_supported():
-    model = tiny_model("gpt2", n_embd=64, n_layer=2, n_head=4)  # fused c_attn Conv1D: fits no layout
+    model = tiny_model("mpt", d_model=64, n_layers=2, n_heads=4)  # `Wqkv` with ALiBi: fits no layout
     snapshot = snapshot_of(model)
-    with pytest.raises(UnsupportedModelError, match=r"GPT2Attention.*supported attention classes: \[.*LlamaAttention"):
+    with pytest.raises(UnsupportedModelError, match=r"MptAttention.*supported attention classes: \[.*LlamaAttention"):
         etblocks.swap(model, backend="xnnpack")
     assert_untouched(model, snapshot)
 
 
 def test_probe_mismatch_names_module_and_error_size():
-    # GLM rotates interleaved pairs: the structural fallback accepts its layout, the probe catches the rope.
+    """A module the structural fallback takes for the common layout but that computes something else: every layout
+    variant fails the probe, and the refusal names the module, the error and how many layouts were tried."""
+    from transformers.models.glm.modeling_glm import GlmAttention
+
+    class ScaledGlmAttention(GlmAttention):
+        def forward(self, *args, **kwargs):
+            output, weights = super().forward(*args, **kwargs)
+            return 2 * output, weights
+
     model = tiny_model("glm")
-    assert infer_layout(model.model.layers[0].self_attn) is not None
+    for layer in model.model.layers:
+        layer.self_attn.__class__ = ScaledGlmAttention
+    assert len(infer_layouts(model.model.layers[0].self_attn)) > 1
     snapshot = snapshot_of(model)
-    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.0\.self_attn \(GlmAttention\).*max abs error [0-9.e+-]+ > tolerance"):
+    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.0\.self_attn \(ScaledGlmAttention\).*max abs error [0-9.e+-]+ > tolerance .*the first of 4 layouts tried"):
         etblocks.swap(model, backend="xnnpack", max_seq_len=32)
     assert_untouched(model, snapshot)
 
@@ -56,6 +66,45 @@ def test_registered_converter_mismatch_is_caught_too():
             etblocks.swap(model, backend="xnnpack", max_seq_len=32)
     finally:
         MIXERS._converters.pop(SkewedAttention)
+
+
+@pytest.mark.parametrize("backend", ["xnnpack", "openvino"])
+def test_converter_whose_decode_misreads_cached_rows_is_refused(backend):
+    """A converter that is right on a prefill from empty caches but reads cached rows one position off afterwards
+    (dynamic caches for xnnpack, caller-owned ones for openvino's static programs): the probe's decode steps catch it, naming the module."""
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    from etblocks.swap.hf.convert import HFAttentionLayout, attention_from_layout
+    from etblocks.swap.registry import MIXERS
+
+    class MisreadAttention(LlamaAttention):
+        pass
+
+    def misread(attend):
+        def wrong(q, k, v, q_pos, k_pos, mask=None):
+            if int(q_pos[0]) > 0:  # a call after the prefill: each key's value is read from the row after it
+                keys = mask.shape[-1] if k_pos is None else k_pos.shape[-1]
+                v = torch.roll(v, shifts=-1, dims=list(v.shape).index(keys))
+            return attend(q, k, v, q_pos, k_pos, mask)
+
+        return wrong
+
+    @etblocks.register(MisreadAttention)
+    def convert(module, ctx):
+        block = attention_from_layout(module, HFAttentionLayout(), ctx)
+        block.attend = misread(block.attend)
+        return block
+
+    model = tiny_model("llama")
+    for layer in model.model.layers:
+        layer.self_attn.__class__ = MisreadAttention
+    snapshot = snapshot_of(model)
+    try:
+        with pytest.raises(UnsupportedModelError, match=r"model\.layers\.0\.self_attn \(MisreadAttention\).* the call at positions 1[0-9]\.\.[0-9]+ after the prefill"):
+            etblocks.swap(model, backend=backend, max_seq_len=32)
+    finally:
+        MIXERS._converters.pop(MisreadAttention)
+    assert_untouched(model, snapshot)
 
 
 def test_max_seq_len_beyond_positions():

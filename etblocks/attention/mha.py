@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from typing import Literal
 
 import torch
@@ -41,11 +43,14 @@ class Attention(nn.Module):
     `kv=(k_cache, v_cache)` (the tensors the cache declares: six for a `QuantizedIOKVCache`) and `mask`, and
     returns `(y, *new_rows)`.
 
-    Projections are `q_proj`, `k_proj`, `v_proj` (or one fused `qkv_proj`) and `o_proj`. Optional `q_norm` /
+    Projections are `q_proj`, `k_proj`, `v_proj` (or one fused `qkv_proj`, its rows `[q | k | v]` with
+    `qkv_layout="blocks"` or `[q_h | k_h | v_h]` per head with `"heads"`) and `o_proj`. Optional `q_norm` /
     `k_norm` apply per head (`"head"`), over the whole projection (`"full"`) or on a `[B, H, T, D]` view
     (`"heads_first"`). Optional `sinks [H]` are per-head sink logits (GPT-OSS): the block owns them, like its
-    projections, so they keep the upstream key `<block>.sinks`, and hands them to its SDPA. Subclasses change
-    one step by overriding `project_qkv`, `normalize_qk`, `rotate` or `attend`.
+    projections, so they keep the upstream key `<block>.sinks`, and hands them to its SDPA. `interleaved` says
+    which dims rotary tables pair: `(i, i + R/2)` (rotate-half, False) or `(2i, 2i + 1)` (True); by default the
+    layout of the block's own `rope`. Subclasses change one step by overriding `project_qkv`, `normalize_qk`,
+    `rotate` or `attend`.
     """
 
     def __init__(
@@ -65,6 +70,8 @@ class Attention(nn.Module):
         k_norm: nn.Module | None = None,
         qk_norm_layout: QKNormLayout = "head",
         sinks: nn.Parameter | None = None,
+        interleaved: bool | None = None,
+        qkv_layout: str = "blocks",
     ) -> None:
         super().__init__()
         if n_heads % n_kv_heads:
@@ -76,12 +83,15 @@ class Attention(nn.Module):
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
+        if qkv_layout not in ("blocks", "heads") or (qkv_layout == "heads" and n_kv_heads != n_heads):
+            raise ValueError(f"qkv_layout={qkv_layout!r} with {n_kv_heads} of {n_heads} kv heads is not supported; accepted: 'blocks', or 'heads' without grouping")
+        self.qkv_layout = qkv_layout
         self.q_proj, self.k_proj, self.v_proj, self.qkv_proj, self.o_proj = q_proj, k_proj, v_proj, qkv_proj, o_proj
         self.q_norm, self.k_norm = q_norm, k_norm
         self.qk_norm_layout = qk_norm_layout
         self.rope = rope
-        interleaved = rope is not None and rope.interleaved
-        self.register_buffer("rotation", rotation_matrix(head_dim, interleaved), persistent=False)
+        self.interleaved = rope is not None and rope.interleaved if interleaved is None else interleaved
+        self.register_buffer("rotation", rotation_matrix(head_dim, self.interleaved), persistent=False)
         self.sdpa = sdpa
         self.kv_cache = kv_cache
         self.register_parameter("sinks", sinks)
@@ -91,6 +101,10 @@ class Attention(nn.Module):
         if self.qkv_proj is None:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
         qkv = self.qkv_proj(x)
+        if self.qkv_layout == "heads":  # [q_h | k_h | v_h] per head (GPT-NeoX)
+            bsz, dh, width = x.shape[0], self.head_dim, self.n_heads * self.head_dim
+            heads = qkv.view(bsz, -1, self.n_heads, 3 * dh)
+            return tuple(heads[..., i * dh : (i + 1) * dh].reshape(bsz, -1, width) for i in range(3))
         q_width = self.n_heads * self.head_dim
         kv_width = self.n_kv_heads * self.head_dim
         # workaround(executorch 1.5.1): slices, not split(): split on the last dim can freeze a dynamic sequence
@@ -115,7 +129,8 @@ class Attention(nn.Module):
                 return q, k
             position_embeddings = self.rope(input_pos)
         cos, sin = position_embeddings
-        return apply_rotary(q, cos, sin, self.rotation), apply_rotary(k, cos, sin, self.rotation)
+        rotate = functools.partial(apply_rotary, cos=cos, sin=sin, rotation=self.rotation, interleaved=self.interleaved)
+        return rotate(q), rotate(k)
 
     def attend(self, q, k, v, q_pos, k_pos, mask=None) -> torch.Tensor:
         return self.sdpa(q, k, v, q_pos, k_pos, mask, sinks=self.sinks)

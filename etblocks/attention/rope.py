@@ -100,12 +100,13 @@ def rotation_matrix(dim: int, interleaved: bool) -> torch.Tensor:
 
 
 def apply_rotary(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotation: torch.Tensor | None = None
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotation: torch.Tensor | None = None, interleaved: bool = False
 ) -> torch.Tensor:
     """Rotate `x [B, T, H, D]` by `cos, sin [..., T, R]` with R <= D (partial rotary leaves dims R: untouched).
 
     `rotation` (`rotation_matrix(D, interleaved)`) replaces the slice-and-concat of a full rotation with a linear
-    map; without it the layout is rotate-half. Interleaved tables need it (and R == D).
+    map; without it the layout is rotate-half. Interleaved tables need it; with R < D they rotate pairs of the
+    first R dims (GLM), which the top-left `[R, R]` of the interleaved map does.
     """
     # Insert the head axis with a reshape that infers T: a plain unsqueeze of a dynamic length stays on CPU.
     table_shape = (*cos.shape[:-2], -1, 1, cos.shape[-1])
@@ -119,4 +120,5 @@ def apply_rotary(
             rotated = F.linear(x, rotation)
         return x * cos + rotated * sin
     x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
-    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+    partner = F.linear(x_rot, rotation[:rotary_dim, :rotary_dim]) if interleaved else rotate_half(x_rot)
+    return torch.cat((x_rot * cos + partner * sin, x_pass), dim=-1)

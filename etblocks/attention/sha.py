@@ -26,12 +26,13 @@ RotaryTables = tuple[torch.Tensor, torch.Tensor]
 
 def apply_rotary_3d(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """Rotate one head `x [B, T, Dh]` by `cos, sin [T, R]` (or `[B, T, R]`), R <= Dh; dims R: pass through.
-    `interleaved` tables rotate pairs `(2i, 2i + 1)` and cover the whole head."""
+    `interleaved` tables rotate pairs `(2i, 2i + 1)` (of the first R dims)."""
     rotary_dim = cos.shape[-1]
+    partner = rotate_pairs if interleaved else rotate_half
     if rotary_dim == x.shape[-1]:
-        return x * cos + (rotate_pairs(x) if interleaved else rotate_half(x)) * sin
+        return x * cos + partner(x) * sin
     x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
-    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+    return torch.cat((x_rot * cos + partner(x_rot) * sin, x_pass), dim=-1)
 
 
 def _linear_view(weight: torch.Tensor, bias: torch.Tensor | None, conv2d: bool) -> nn.Module:
@@ -113,6 +114,7 @@ class SingleHeadAttention(nn.Module):
         sinks: nn.Parameter | None = None,
         projection_parts: Mapping[str, list[ProjectionPart]] | None = None,
         gate_heads: Sequence[nn.Module] | None = None,
+        interleaved: bool | None = None,
     ) -> None:
         super().__init__()
         if n_heads % n_kv_heads:
@@ -136,6 +138,7 @@ class SingleHeadAttention(nn.Module):
         self.v_heads = nn.ModuleList(v_heads)
         self.o_proj = o_proj
         self.rope = rope
+        self.interleaved = rope is not None and rope.interleaved if interleaved is None else interleaved
         self.q_norm, self.k_norm = q_norm, k_norm
         self.register_parameter("sinks", sinks)
         if gate_heads is not None and len(gate_heads) != n_heads:
@@ -158,6 +161,8 @@ class SingleHeadAttention(nn.Module):
                 f"qk_norm_layout={attn.qk_norm_layout!r} is not supported: SingleHeadAttention needs per-head "
                 "q/k norms (layout 'head') that apply to each [B, T, Dh] head"
             )
+        if attn.qkv_proj is not None and attn.qkv_layout != "blocks":
+            raise ValueError(f"qkv_layout={attn.qkv_layout!r} is not supported: SingleHeadAttention splits a fused qkv_proj laid out in 'blocks'")
         heads, kv_heads, dh = attn.n_heads, attn.n_kv_heads, attn.head_dim
         gated = isinstance(attn, GatedAttention)
         fields = ("q_heads", "k_heads", "v_heads", "gate_heads")[: 4 if gated else 3]
@@ -176,7 +181,7 @@ class SingleHeadAttention(nn.Module):
         return cls(
             heads, kv_heads, dh, attn.sdpa, attn.kv_cache, q_heads, k_heads, v_heads, o_proj,
             rope=attn.rope, q_norm=attn.q_norm, k_norm=attn.k_norm, sinks=attn.sinks, projection_parts=projection_parts,
-            gate_heads=views[3] if gated else None,
+            gate_heads=views[3] if gated else None, interleaved=attn.interleaved,
         )
 
     def project_head(self, proj: nn.Module, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
@@ -193,11 +198,10 @@ class SingleHeadAttention(nn.Module):
         return position_embeddings
 
     def rotate_head(self, x: torch.Tensor, tables: RotaryTables | None) -> torch.Tensor:
-        """Rotary embedding of one q or k head `[B, T, Dh]`, in the layout of this block's own `rope`
-        (rotate-half without one)."""
+        """Rotary embedding of one q or k head `[B, T, Dh]`, in this block's pair layout (`interleaved`)."""
         if tables is None:
             return x
-        return apply_rotary_3d(x, *tables, interleaved=self.rope is not None and self.rope.interleaved)
+        return apply_rotary_3d(x, *tables, interleaved=self.interleaved)
 
     def attend_head(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor | None = None

@@ -4,27 +4,27 @@ replacement."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
 
 from etblocks.adapters.load import attach_adapter
-from etblocks.attention.masks import additive_mask, allowed_keys
 from etblocks.errors import ConfigError, UnsupportedModelError
-from etblocks.state.base import State, find_states, reset_states
-from etblocks.state.spec import RING
+from etblocks.state.base import find_states
 from etblocks.swap.hf.convert import attention_from_layout
-from etblocks.swap.hf.fallback import infer_layout
+from etblocks.swap.hf.fallback import infer_layouts
 from etblocks.swap.hf.hybrid import is_state_layer, state_layout
 from etblocks.swap.hf.model import TransformersKind
 from etblocks.swap.kinds import ModelKind
+from etblocks.swap.probe import Probe, probe_length
 from etblocks.swap.recipes import Recipe, resolve_recipe
 from etblocks.swap.registry import MIXERS, MODULES, SwapContext
 from etblocks.swap.torchtune.model import TorchtuneKind
 
 DEFAULT_MAX_SEQ_LEN = 2048
-PROBE_LEN = 16
 
 # The adapter a torchtune LoRA model carries in its own modules is loaded back under this name.
 EMBEDDED_ADAPTER = "default"
@@ -85,23 +85,22 @@ def swap(
             f"{type(model).__name__} has no attention modules to swap; supported attention classes: {MIXERS.supported()}"
         )
     adapter = kind.adapter_layers(model)
-    replacements = [(name, _convert(name, module, ctx)) for name, module in targets]
-    others = [
-        (name, module, converter)
-        for name, module in model.named_modules()
-        if (converter := MODULES.lookup(module)) and not _inside(name, targets)
-    ]
-    replacements += [(name, _call_converter(converter, name, module, ctx)) for name, module, converter in others]
-    kind.check(model, [name for name, _ in replacements])
-    if verify:
-        checked = targets + [(name, module) for name, module, _ in others if MODULES.same_output(module)]
-        by_name = dict(replacements)
-        if recipe.kv_quantize is not None:
-            # The probe checks the conversion, exactly; what int8 caches cost is measured apart (tests, benchmarks).
-            float_ctx = dataclasses.replace(ctx, recipe=dataclasses.replace(recipe, kv_quantize=None))
-            by_name.update((name, _convert(name, module, float_ctx)) for name, module in targets)
-        with kind.base_only(model):
-            _verify(model, kind, [(name, original, by_name[name]) for name, original in checked], max_seq_len)
+    options = [(name, module, _conversions(name, module)) for name, module in targets]
+    others = []  # outer modules first: what a converted module holds is its converter's
+    for name, module in model.named_modules():
+        if not _inside(name, targets + [(outer, m) for outer, m, _ in others]):
+            if converter := MODULES.lookup(module) or kind.module_layout(module):
+                others.append((name, module, converter))
+    options += [(name, module, [_named(converter, name)]) for name, module, converter in others]
+    kind.check(model, [name for name, _, _ in options])
+    # The probe checks the conversion, exactly; what int8 caches cost is measured apart (tests, benchmarks).
+    probe_ctx = dataclasses.replace(ctx, recipe=dataclasses.replace(recipe, kv_quantize=None))
+    probed = {name for name, module, makers in options if len(makers) > 1 or (verify and MODULES.same_output(module))}
+    chosen = _choose(model, kind, [o for o in options if o[0] in probed], probe_ctx, max_seq_len) if probed else {}
+    replacements = []
+    for name, module, makers in options:
+        index, block = chosen.get(name, (0, None))
+        replacements.append((name, block if block is not None and probe_ctx == ctx else makers[index](module, ctx)))
     _commit(model, replacements, recipe)
     kind.finish(model)
     if adapter:
@@ -153,7 +152,12 @@ def _check_max_seq_len(model: nn.Module, max_seq_len: int | None) -> int:
     return max_seq_len
 
 
-def _convert(name: str, module: nn.Module, ctx: SwapContext) -> nn.Module:
+Maker = Callable[[nn.Module, SwapContext], nn.Module]
+
+
+def _conversions(name: str, module: nn.Module) -> list[Maker]:
+    """The ways to convert a token mixer, in order of preference: its registered converter, the converter of a
+    state layer laid out as one etblocks converts, or every variant of the common attention layout it may be."""
     converter = MIXERS.lookup(module)
     if converter is None and is_state_layer(module):
         converter = state_layout(module)
@@ -163,102 +167,74 @@ def _convert(name: str, module: nn.Module, ctx: SwapContext) -> nn.Module:
                 f"converter and not laid out as one etblocks converts (LFM2's short convolution, Qwen3.5's gated "
                 f"DeltaNet); supported: {MIXERS.supported()}. Register one with @etblocks.register."
             )
-    if converter is None:
-        layout = infer_layout(module)
-        if layout is None:
+    if converter is not None:
+        return [_named(converter, name)]
+    layouts = infer_layouts(module)
+    if not layouts:
+        raise UnsupportedModelError(
+            f"{name} is a {type(module).__name__}, which has no etblocks converter and does not follow the "
+            f"common HF attention layout (q/k/v/o Linear projections, head_dim, scaling); "
+            f"supported attention classes: {MIXERS.supported()}. Register one with @etblocks.register."
+        )
+    return [_named(functools.partial(_from_layout, layout=layout), name) for layout in layouts]
+
+
+def _from_layout(module: nn.Module, ctx: SwapContext, layout) -> nn.Module:
+    return attention_from_layout(module, layout, ctx)
+
+
+def _named(converter: Maker, name: str) -> Maker:
+    """`converter`, with the failures a converter raises on a module it cannot take turned into a refusal naming it."""
+
+    def convert(module: nn.Module, ctx: SwapContext) -> nn.Module:
+        try:
+            return converter(module, ctx)
+        except (AttributeError, ValueError, TypeError) as exc:
+            raise UnsupportedModelError(f"converting {name} ({type(module).__name__}) failed: {exc}") from exc
+
+    return convert
+
+
+def _choose(model: nn.Module, kind: ModelKind, options, ctx: SwapContext, max_seq_len: int) -> dict[str, tuple[int, nn.Module]]:
+    """Probe every option and keep, per module, the first conversion that reproduces the original (prefill and
+    decode): `name -> (index, block)`. `UnsupportedModelError` naming the module when none does."""
+    built = []
+    for name, module, makers in options:
+        blocks, reasons = [], []
+        for make in makers:
+            try:
+                blocks.append(make(module, ctx))
+            except UnsupportedModelError as exc:
+                if len(makers) == 1:
+                    raise
+                blocks.append(None)  # a layout the block cannot take (the next may fit)
+                reasons.append(str(exc))
+        built.append((name, module, blocks, reasons))
+    length = probe_length([block for *_, blocks, _ in built for block in blocks if block is not None], max_seq_len)
+    with kind.base_only(model):
+        probe = Probe(model, kind, [module for _, module, _, _ in built], length)
+    chosen = {}
+    for name, module, blocks, reasons in built:
+        mismatches = []
+        for index, block in enumerate(blocks):
+            reason = None if block is None else probe.mismatch(name, module, block)
+            if block is not None and reason is None:
+                chosen[name] = (index, block)
+                break
+            mismatches += [reason] if reason is not None else []
+        else:
+            reasons = mismatches + reasons
+            tried = f" (the first of {len(blocks)} layouts tried)" if len(blocks) > 1 else ""
             raise UnsupportedModelError(
-                f"{name} is a {type(module).__name__}, which has no etblocks converter and does not follow the "
-                f"common HF attention layout (q/k/v/o Linear projections, head_dim, scaling); "
-                f"supported attention classes: {MIXERS.supported()}. Register one with @etblocks.register."
+                f"{reasons[0]}{tried}. Register a converter for this class (etblocks.register) or pass verify=False "
+                "at your own risk."
             )
-        return attention_from_layout(module, layout, ctx)
-    return _call_converter(converter, name, module, ctx)
-
-
-def _call_converter(converter, name: str, module: nn.Module, ctx: SwapContext) -> nn.Module:
-    try:
-        return converter(module, ctx)
-    except (AttributeError, ValueError, TypeError) as exc:
-        raise UnsupportedModelError(f"converting {name} ({type(module).__name__}) failed: {exc}") from exc
+    return chosen
 
 
 def _inside(name: str, targets: list[tuple[str, nn.Module]]) -> bool:
     """Whether module `name` lies inside an attention module (its converter owns it)."""
     return any(name.startswith(outer + ".") for outer, _ in targets)
-
-
-def _verify(model: nn.Module, kind: ModelKind, pairs: list[tuple[str, nn.Module, nn.Module]], max_seq_len: int) -> None:
-    """Each replacement must reproduce its original's output on the inputs the original saw in a probe run."""
-    windows = [spec.rows for _, _, new in pairs for state in find_states(new) for spec in state.specs() if spec.update == RING]
-    probe_len = min(max([PROBE_LEN] + [w + 4 for w in windows]), max_seq_len)
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, kind.vocab_size(model), (1, probe_len), generator=generator)
-    positions = torch.arange(probe_len)
-    calls = _capture_calls(model, kind, [original for _, original, _ in pairs], tokens, positions)
-    with torch.no_grad():
-        for name, original, new in pairs:
-            if id(original) not in calls:
-                raise UnsupportedModelError(f"{name} ({type(original).__name__}) was not called in a forward pass")
-            args, kwargs, expected = calls[id(original)]
-            if getattr(new, "positions_from_layer", False):  # upstream hands it none; its decoder layer does
-                kwargs = {**kwargs, "position_ids": positions[None]}
-            states = find_states(new)
-            try:
-                for state in states:
-                    _bind_first_call(state, positions)
-                actual = new(*args, **kwargs)
-                actual = actual[0] if isinstance(actual, tuple) else actual
-            except Exception as exc:  # any failure of the replacement on real inputs means "cannot swap"
-                raise UnsupportedModelError(
-                    f"{name} ({type(original).__name__}): the etblocks block failed on the probe input: {exc}"
-                ) from exc
-            finally:
-                reset_states(new)
-                for state in states:
-                    state.unbind()
-            error = (actual - expected).abs().max().item()
-            tolerance = 1e-4 * max(1.0, expected.abs().max().item())
-            if not error <= tolerance:
-                raise UnsupportedModelError(
-                    f"{name} ({type(original).__name__}) does not match its etblocks replacement on a probe of "
-                    f"{probe_len} tokens: max abs error {error:.3g} > tolerance {tolerance:.3g}. "
-                    "Register a converter for this class (etblocks.register) or pass verify=False at your own risk."
-                )
-
-
-@torch.no_grad()
-def _capture_calls(
-    model: nn.Module, kind: ModelKind, modules: list[nn.Module], tokens: torch.Tensor, positions: torch.Tensor
-) -> dict[int, tuple]:
-    """Run the untouched model once over `tokens` at `positions` and record `(args, kwargs, output)` of each
-    listed module, keyed by id."""
-    calls: dict[int, tuple] = {}
-
-    def record(module, args, kwargs, output):
-        calls[id(module)] = (args, kwargs, output[0] if isinstance(output, tuple) else output)
-
-    hooks = [m.register_forward_hook(record, with_kwargs=True) for m in modules]
-    was_training = model.training
-    model.eval()
-    try:
-        kind.logits(model, tokens, positions.unsqueeze(0), last_only=True)
-    finally:
-        model.train(was_training)
-        for hook in hooks:
-            hook.remove()
-    return calls
-
-
-def _bind_first_call(state: State, positions: torch.Tensor) -> None:
-    """Caller-owned state is probed as a static program's first call: no rows kept yet (zeros for state that
-    is not positional), the causal mask over the call's own rows."""
-    if not state.caller_owned:
-        return
-    specs = state.specs()
-    tensors = [torch.zeros(s.update_shape(0), dtype=s.dtype) if s.positional else s.zeros() for s in specs]
-    ring = next((s.rows for s in specs if s.update == RING), None)
-    mask = additive_mask(allowed_keys(positions, positions, ring)) if any(s.positional for s in specs) else None
-    state.bind(tensors, mask)
 
 
 def _commit(model: nn.Module, replacements, recipe: Recipe) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from typing import ContextManager
+from typing import Callable, ContextManager
 
 import torch
 from torch import nn
@@ -32,6 +32,11 @@ class ModelKind(ABC):
     @abstractmethod
     def mixer_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """`(name, module)` of every token mixer (attention) `swap` replaces."""
+
+    def module_layout(self, module: nn.Module) -> Callable[..., nn.Module] | None:
+        """A converter for a module with no registered one that this kind recognises by its layout (transformers'
+        generic MoE experts), or None."""
+        return None
 
     @abstractmethod
     def max_positions(self, model: nn.Module) -> int | None:

@@ -16,24 +16,38 @@ from etblocks.swap.registry import SwapContext
 class HFAttentionLayout:
     """Where a family keeps each part of its attention.
 
+    qkv: the names of its q, k and v projections, or of one fused projection (rows in `qkv_layout`: "blocks"
+        `[q | k | v]`, or "heads" `[q_h | k_h | v_h]` per head).
+    o_proj: the name of its output projection; None: it has none (another module projects its output).
     qk_norm: None, or "head" (norm over head_dim, before rope), "full" (over the whole projection width) or
         "heads_first" (a norm that expects `[B, H, T, D]`).
     window_in_config: the family reads `config.sliding_window` for every layer instead of a per-module attribute.
     sinks_attr: the per-head sink logits `[H]` (GPT-OSS), kept by the block under the same name.
-    half_rope_tables: the model passes `(cos, sin)` as `[..., Dh/2]` frequency tables (GPT-OSS).
+    rope_tables: how the model lays out the `(cos, sin)` it passes and which dims they pair (see `HFCall`).
     output_gate: `q_proj` gives each head's query and a sigmoid gate on its output (`GatedAttention`: Qwen3.5).
     """
 
     qkv: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
-    o_proj: str = "o_proj"
+    o_proj: str | None = "o_proj"
     qk_norm: str | None = None
     q_norm: str = "q_norm"
     k_norm: str = "k_norm"
     softcap_attr: str | None = None
     window_in_config: bool = False
     sinks_attr: str | None = None
-    half_rope_tables: bool = False
+    rope_tables: str = "halves"
+    qkv_layout: str = "blocks"
     output_gate: bool = False
+
+
+def head_dim_of(module: nn.Module) -> int | None:
+    """The head size, under the names families give it."""
+    return next((size for name in ("head_dim", "attention_head_size", "head_size") if (size := getattr(module, name, None))), None)
+
+
+def out_features(projection: nn.Module) -> int:
+    """Output width of a projection: an `nn.Linear`, or a transformers `Conv1D` (GPT-2's, weight `[in, out]`)."""
+    return projection.out_features if isinstance(projection, nn.Linear) else projection.nf
 
 
 def sliding_window_of(module: nn.Module, layout: HFAttentionLayout) -> int | None:
@@ -50,17 +64,17 @@ def attention_from_layout(
 
     `sliding_window` overrides what the layout reads (for families that decide per layer in code).
     """
-    head_dim = module.head_dim
+    head_dim = head_dim_of(module)
     if len(layout.qkv) == 1:
         qkv_proj = getattr(module, layout.qkv[0])
         q_proj = k_proj = v_proj = None
         n_heads = module.config.num_attention_heads
-        n_kv_heads = module.config.num_key_value_heads
+        n_kv_heads = (out_features(qkv_proj) - n_heads * head_dim) // (2 * head_dim)
     else:
         qkv_proj = None
         q_proj, k_proj, v_proj = (getattr(module, name) for name in layout.qkv)
-        n_heads = q_proj.out_features // (2 * head_dim if layout.output_gate else head_dim)
-        n_kv_heads = k_proj.out_features // head_dim
+        n_heads = out_features(q_proj) // (2 * head_dim if layout.output_gate else head_dim)
+        n_kv_heads = out_features(k_proj) // head_dim
     window = sliding_window_of(module, layout) if sliding_window is ... else sliding_window
     softcap = getattr(module, layout.softcap_attr) if layout.softcap_attr else None
     sinks = getattr(module, layout.sinks_attr) if layout.sinks_attr else None
@@ -78,17 +92,19 @@ def attention_from_layout(
         k_proj=k_proj,
         v_proj=v_proj,
         qkv_proj=qkv_proj,
-        o_proj=getattr(module, layout.o_proj),
+        o_proj=nn.Identity() if layout.o_proj is None else getattr(module, layout.o_proj),
         q_norm=getattr(module, layout.q_norm) if layout.qk_norm else None,
         k_norm=getattr(module, layout.k_norm) if layout.qk_norm else None,
         qk_norm_layout=layout.qk_norm or "head",
         sinks=sinks,
+        interleaved=layout.rope_tables in ("pairs", "halves_as_pairs"),
+        qkv_layout=layout.qkv_layout,
     )
     if ctx.recipe.attention == "sha":
         block = HFSingleHeadAttention.from_attention(block, conv2d=ctx.recipe.linear == "conv2d")
-    if layout.o_proj != "o_proj":  # the block calls it o_proj; adapters (and users) name the upstream one
+    if layout.o_proj not in ("o_proj", None):  # the block calls it o_proj; adapters (and users) name the upstream one
         block.projection_parts = {**getattr(block, "projection_parts", {}), layout.o_proj: [ProjectionPart("o_proj", None)]}
     block.layer_idx = getattr(module, "layer_idx", None)
-    block.use_rope = bool(getattr(module, "use_rope", True))
-    block.half_rope_tables = layout.half_rope_tables
+    block.use_rope = bool(getattr(module, "use_rope", True)) and layout.rope_tables != "none"
+    block.rope_tables = layout.rope_tables
     return block.to(weight.device)

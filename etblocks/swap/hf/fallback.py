@@ -2,32 +2,48 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from torch import nn
 
-from etblocks.swap.hf.convert import HFAttentionLayout
+from etblocks.swap.hf.convert import HFAttentionLayout, head_dim_of
 
 _NORM_NAMES = (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm"), ("query_layernorm", "key_layernorm"))
 
 
-def infer_layout(module: nn.Module) -> HFAttentionLayout | None:
-    """A layout if `module` has linear q/k/v projections, an output projection (`o_proj`, or `out_proj` as LFM2
-    names it), `head_dim`, `scaling` and `config`, else None.
+# Names families give their q/k/v projections, and their output projection (None: the module has none, BERT's
+# `attention.self`, whose `attention.output` projects, adds the residual and normalises after it).
+_QKV_NAMES = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("qkv_proj",), ("query_key_value",), ("c_attn",))
+_O_NAMES = ("o_proj", "out_proj", "dense", "c_proj", None)
+
+
+def _is_projection(module: nn.Module | None) -> bool:
+    """An `nn.Linear`, or transformers' `Conv1D` (GPT-2's projections: the same map, its weight transposed)."""
+    return isinstance(module, nn.Linear) or (type(module).__name__ == "Conv1D" and hasattr(module, "nf"))
+
+
+def infer_layouts(module: nn.Module) -> list[HFAttentionLayout]:
+    """The layouts `module` may have, in order of likelihood, if it has q/k/v projections (`q_proj` or `query`
+    ..., or one fused projection), at most one output projection (`o_proj`, `out_proj`, `dense`, `c_proj`), a
+    head size, `scaling` and `config`; else none.
 
     q/k norms are recognised by name; whether they act per head or over the full width is read off their
-    weight size. Rope is taken from the `position_embeddings` the model passes in. What this cannot see
-    (norm after rope, a different rope layout, extra gates) the probe check in `swap()` catches.
+    weight size. Rope is taken from the `position_embeddings` the model passes in, in each pairing of dims a
+    family may use (`ROPE_TABLES`): `swap` keeps the first layout its probe accepts, and refuses the module
+    when none matches (norm after rope, extra gates). Per-head sink logits (`sinks [H]`) are kept.
     """
-    o_proj = "o_proj" if hasattr(module, "o_proj") else "out_proj"
-    names = ("q_proj", "k_proj", "v_proj", o_proj)
-    if not all(isinstance(getattr(module, n, None), nn.Linear) for n in names):
-        return None
-    if not all(hasattr(module, a) for a in ("head_dim", "scaling", "config")):
-        return None
-    known = set(names) | {n for pair in _NORM_NAMES for n in pair}
-    if any(name not in known for name, _ in module.named_children()):
-        return None  # extra sub-modules (gates, sub-norms) mean extra computation this layout would drop
+    qkv = next((names for names in _QKV_NAMES if all(_is_projection(getattr(module, n, None)) for n in names)), None)
+    o_proj = next(name for name in _O_NAMES if name is None or _is_projection(getattr(module, name, None)))
+    if qkv is None or head_dim_of(module) is None or not all(hasattr(module, a) for a in ("scaling", "config")):
+        return []
+    known = {*qkv, o_proj} | {n for pair in _NORM_NAMES for n in pair}
+    if any(name not in known and not isinstance(child, nn.Dropout) for name, child in module.named_children()):
+        return []  # extra sub-modules (gates, sub-norms) mean extra computation this layout would drop
+    sinks = getattr(module, "sinks", None)
     extras = {
+        "qkv": qkv,
         "o_proj": o_proj,
+        "sinks_attr": "sinks" if isinstance(sinks, nn.Parameter) and sinks.ndim == 1 else None,
         "softcap_attr": "attn_logit_softcapping" if hasattr(module, "attn_logit_softcapping") else None,
         "window_in_config": not hasattr(module, "sliding_window"),
     }
@@ -36,6 +52,17 @@ def infer_layout(module: nn.Module) -> HFAttentionLayout | None:
         if q_norm is None:
             continue
         weight = getattr(q_norm, "weight", None)
-        per_head = weight is not None and weight.numel() == module.head_dim
-        return HFAttentionLayout(qk_norm="head" if per_head else "full", q_norm=q_name, k_norm=k_name, **extras)
-    return HFAttentionLayout(**extras)
+        per_head = weight is not None and weight.numel() == head_dim_of(module)
+        return _variants(HFAttentionLayout(qk_norm="head" if per_head else "full", q_norm=q_name, k_norm=k_name, **extras))
+    return _variants(HFAttentionLayout(**extras))
+
+
+# How the rotary tables a model passes pair a head's dims, most common first (see `HFCall`); "none": a layer that
+# does not rotate (NoPE layers of hybrids of local and global attention).
+ROPE_TABLES = ("halves", "halves_as_pairs", "pairs", "none")
+
+
+def _variants(layout: HFAttentionLayout) -> list[HFAttentionLayout]:
+    """`layout` in each rope pairing, and a fused projection in each row layout."""
+    rows = ("blocks", "heads") if len(layout.qkv) == 1 else ("blocks",)
+    return [dataclasses.replace(layout, rope_tables=tables, qkv_layout=r) for r in rows for tables in ROPE_TABLES]

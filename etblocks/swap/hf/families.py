@@ -35,7 +35,7 @@ FAMILIES: dict[str, tuple[str, HFAttentionLayout]] = {
     "stablelm": ("StableLmAttention", STANDARD),
     "exaone4": ("Exaone4Attention", HEAD_NORM),
     # Sinks, biases, per-layer `sliding_window` (None on full layers), half-width rope tables.
-    "gpt_oss": ("GptOssAttention", HFAttentionLayout(sinks_attr="sinks", half_rope_tables=True)),
+    "gpt_oss": ("GptOssAttention", HFAttentionLayout(sinks_attr="sinks", rope_tables="half_width")),
     "mixtral": ("MixtralAttention", HFAttentionLayout(window_in_config=True)),
     "qwen2_moe": ("Qwen2MoeAttention", STANDARD),
     "qwen3_moe": ("Qwen3MoeAttention", HEAD_NORM),

@@ -9,7 +9,7 @@ from etblocks.errors import UnsupportedModelError
 from etblocks.swap.hf.adapter import feed_positions
 from etblocks.swap.hf.families import register_families
 from etblocks.swap.hf.hybrid import is_state_layer
-from etblocks.swap.hf.moe import MOE_FAMILIES
+from etblocks.swap.hf.moe import MOE_FAMILIES, generic_experts_layout, is_generic_experts
 from etblocks.swap.kinds import ModelKind
 
 ATTN_IMPLEMENTATION = "etblocks"
@@ -26,13 +26,15 @@ def is_hf_causal_lm(model: nn.Module) -> bool:
 def mixer_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The outermost token mixers: attention, named `self_attn` (transformers' convention) or of a class named
     `...Attention` (what families with other names use, e.g. GPT-2's `attn`), and the state layers of hybrids
-    (`etblocks.swap.hf.hybrid.is_state_layer`)."""
+    (`etblocks.swap.hf.hybrid.is_state_layer`). An attention holding its mixer as `self` beside an `output` block
+    (BERT and its kind) gives that inner module."""
     found: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
-        if any(name.startswith(outer + ".") for outer, _ in found):
+        if any(name == outer or name.startswith(outer + ".") for outer, _ in found):
             continue
         if name.split(".")[-1] == "self_attn" or type(module).__name__.endswith("Attention") or is_state_layer(module):
-            found.append((name, module))
+            inner = getattr(module, "self", None)  # BERT's `attention`: the mixer is `attention.self`
+            found.append((f"{name}.self", inner) if isinstance(inner, nn.Module) and hasattr(module, "output") else (name, module))
     return found
 
 
@@ -46,7 +48,7 @@ def unexportable_experts(model: nn.Module, replaced: list[str]) -> list[tuple[st
     experts implementation that does not export: `(name, module, implementation)`."""
     found = []
     for name, module in model.named_modules():
-        if not (hasattr(module, "is_concatenated") and hasattr(module, "has_gate") and hasattr(module, "config")):
+        if not is_generic_experts(module):
             continue
         if any(name == outer or name.startswith(outer + ".") for outer in replaced):
             continue
@@ -104,6 +106,9 @@ class TransformersKind(ModelKind):
     def max_positions(self, model: nn.Module) -> int | None:
         return getattr(model.config, "max_position_embeddings", None)
 
+    def module_layout(self, module: nn.Module):
+        return generic_experts_layout(module)
+
     def vocab_size(self, model: nn.Module) -> int:
         return model.config.vocab_size
 
@@ -125,7 +130,8 @@ class TransformersKind(ModelKind):
         if left:
             name, module, implementation = left[0]
             raise UnsupportedModelError(
-                f"{name} ({type(module).__name__}) is a transformers MoE experts module with no etblocks converter, and "
+                f"{name} ({type(module).__name__}) is a transformers MoE experts module etblocks does not convert "
+                f"(has_gate={module.has_gate}, has_post_expert_norm={module.has_post_expert_norm}), and "
                 f"experts_implementation={implementation!r} does not export. MoE blocks etblocks converts: "
                 f"{sorted(block for block, _ in MOE_FAMILIES.values())}; register a converter for its block with "
                 f"etblocks.swap.registry.MODULES.register, or call model.set_experts_implementation("

@@ -7,6 +7,8 @@ converters read the fused weights once into the block's layout; routers and shar
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -87,6 +89,78 @@ def convert_gpt_oss_moe(module: nn.Module, ctx: SwapContext) -> HFMoEWithScores:
     )
     router = TopKRouter(module.router.weight, module.router.top_k, bias=module.router.bias, renormalize=True)
     return HFMoEWithScores(router, routed)
+
+
+def is_generic_experts(module: nn.Module) -> bool:
+    """Whether `module` is a transformers experts module behind `ExpertsInterface` (`@use_experts_implementation`)."""
+    return hasattr(module, "is_concatenated") and hasattr(module, "has_gate") and hasattr(module, "config")
+
+
+class HFExperts(nn.Module):
+    """etblocks experts called where transformers calls its generic experts module: `forward(hidden_states [N, D],
+    top_k_index [N, k], top_k_weights [N, k]) -> [N, D]`, the family's own router left in place. The dense strategy
+    spreads the top-k weights over all experts (`[N, E]`, zeros elsewhere) with a comparison, not a scatter, which
+    fixed-shape compilers take."""
+
+    def __init__(self, experts: Experts) -> None:
+        super().__init__()
+        self.experts = experts
+        self.register_buffer("expert_ids", torch.arange(experts.n_experts), persistent=False)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        weights = top_k_weights.to(hidden_states.dtype)
+        if self.experts.routing == "topk":
+            return self.experts(hidden_states, weights, top_k_index)
+        dense = ((top_k_index[..., None] == self.expert_ids).to(weights.dtype) * weights[..., None]).sum(dim=1)
+        return self.experts(hidden_states, dense)
+
+
+class UpstreamGate(nn.Module):
+    """The family's own `_apply_gate` over `[gate | up]` (or interleaved pairs), for experts that override
+    transformers' `act(gate) * up`. It keeps a weightless copy of the experts module (its settings, not its
+    tensors), outside the module tree."""
+
+    def __init__(self, experts: nn.Module) -> None:
+        super().__init__()
+        shell = copy.copy(experts)
+        shell.__dict__.update(_parameters={}, _buffers={}, _modules={k: m for k, m in experts._modules.items() if not any(m.parameters())})
+        self.__dict__["shell"] = shell
+        self.concatenated = experts.is_concatenated
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        both = torch.cat((gate, up), dim=-1) if self.concatenated else torch.stack((gate, up), dim=-1).flatten(-2)
+        return type(self.shell)._apply_gate(self.shell, both)
+
+
+def generic_experts_layout(module: nn.Module):
+    """The converter for a transformers generic experts module etblocks takes (gated experts, concatenated or
+    interleaved, transposed or not, with or without biases), or None: experts without a gate or with a norm after
+    each expert stay upstream, where `TransformersKind.check` asks for an implementation that exports."""
+    if not is_generic_experts(module) or not module.has_gate or module.has_post_expert_norm:
+        return None
+    return convert_generic_experts
+
+
+def _gate_and_up(tensor: torch.Tensor, concatenated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split `[E, 2I, ...]` into gate and up rows: `[gate; up]` halves or `[g0, u0, g1, u1, ...]` pairs."""
+    return tuple(tensor.chunk(2, dim=1)) if concatenated else (tensor[:, 0::2], tensor[:, 1::2])
+
+
+def convert_generic_experts(module: nn.Module, ctx: SwapContext) -> HFExperts:
+    from transformers.integrations.moe import _default_apply_gate
+
+    gate_up, down = module.gate_up_proj.detach(), module.down_proj.detach()
+    if module.is_transposed:  # [E, D, 2I] and [E, I, D]
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    gate, up = _gate_and_up(gate_up, module.is_concatenated)
+    biases = {}
+    if module.has_bias:
+        gate_bias, up_bias = _gate_and_up(module.gate_up_proj_bias.detach(), module.is_concatenated)
+        biases = dict(gate_bias=gate_bias, up_bias=up_bias, down_bias=module.down_proj_bias.detach())
+    default_gate = getattr(type(module), "_apply_gate", _default_apply_gate) is _default_apply_gate
+    activation = SwiGLU(module.act_fn) if default_gate else UpstreamGate(module)
+    experts = EXPERT_STRATEGIES[ctx.recipe.moe].from_weights(gate, up, down, activation=activation, **biases)
+    return HFExperts(experts).to(gate_up.device)
 
 
 # model_type -> (MoE block class, converter)
