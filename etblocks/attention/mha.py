@@ -46,7 +46,7 @@ class Attention(nn.Module):
     Projections are `q_proj`, `k_proj`, `v_proj` (or one fused `qkv_proj`, its rows `[q | k | v]` with
     `qkv_layout="blocks"` or `[q_h | k_h | v_h]` per head with `"heads"`) and `o_proj`. Optional `q_norm` /
     `k_norm` apply per head (`"head"`), over the whole projection (`"full"`) or on a `[B, H, T, D]` view
-    (`"heads_first"`). Optional `sinks [H]` are per-head sink logits (GPT-OSS): the block owns them, like its
+    (`"heads_first"`), before rope or, per head, after it (`qk_norm_after_rope`: NanoChat). Optional `sinks [H]` are per-head sink logits (GPT-OSS): the block owns them, like its
     projections, so they keep the upstream key `<block>.sinks`, and hands them to its SDPA. `interleaved` says
     which dims rotary tables pair: `(i, i + R/2)` (rotate-half, False) or `(2i, 2i + 1)` (True); by default the
     layout of the block's own `rope`. Subclasses change one step by overriding `project_qkv`, `normalize_qk`,
@@ -72,6 +72,7 @@ class Attention(nn.Module):
         sinks: nn.Parameter | None = None,
         interleaved: bool | None = None,
         qkv_layout: str = "blocks",
+        qk_norm_after_rope: bool = False,
     ) -> None:
         super().__init__()
         if n_heads % n_kv_heads:
@@ -89,6 +90,7 @@ class Attention(nn.Module):
         self.q_proj, self.k_proj, self.v_proj, self.qkv_proj, self.o_proj = q_proj, k_proj, v_proj, qkv_proj, o_proj
         self.q_norm, self.k_norm = q_norm, k_norm
         self.qk_norm_layout = qk_norm_layout
+        self.qk_norm_after_rope = qk_norm_after_rope
         self.rope = rope
         self.interleaved = rope is not None and rope.interleaved if interleaved is None else interleaved
         self.register_buffer("rotation", rotation_matrix(head_dim, self.interleaved), persistent=False)
@@ -150,8 +152,11 @@ class Attention(nn.Module):
         q = q.view(bsz, -1, self.n_heads, self.head_dim)
         k = k.view(bsz, -1, self.n_kv_heads, self.head_dim)
         v = v.view(bsz, -1, self.n_kv_heads, self.head_dim)
-        q, k = self.normalize_qk(q, k, per_head=True)
+        if not self.qk_norm_after_rope:
+            q, k = self.normalize_qk(q, k, per_head=True)
         q, k = self.rotate(q, k, input_pos, position_embeddings)
+        if self.qk_norm_after_rope:
+            q, k = self.normalize_qk(q, k, per_head=True)
 
         if self.kv_cache is None:
             k_all, v_all, k_pos = k, v, input_pos
@@ -163,17 +168,21 @@ class Attention(nn.Module):
 
 
 class GatedAttention(Attention):
-    """Attention with a sigmoid output gate (Qwen3-Next, Qwen3.5): `q_proj` gives each head's query and gate side
-    by side (`[q_h | gate_h]`, 2 * Dh rows per head) and `y = o_proj(heads * sigmoid(gate))`. Separate q/k/v
-    projections only; everything else as in `Attention`."""
+    """Attention with a sigmoid output gate, `y = o_proj(heads * sigmoid(gate))`: from `q_proj`, which gives each
+    head's query and gate side by side (`[q_h | gate_h]`, 2 * Dh rows per head: Qwen3-Next, Qwen3.5), or from its
+    own `gate_proj` (`[B, T, D] -> [B, T, H*Dh]`: AFMoE). Separate q/k/v projections only; everything else as in
+    `Attention`."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, gate_proj: nn.Module | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if self.qkv_proj is not None:
             raise ValueError("GatedAttention takes separate q_proj (queries and gates), k_proj and v_proj, not a fused qkv_proj")
+        self.gate_proj = gate_proj
 
     def query_and_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`x [B, T, D]` -> flat `q, gate [B, T, H*Dh]`."""
+        if self.gate_proj is not None:
+            return self.q_proj(x), self.gate_proj(x)
         bsz, width = x.shape[0], self.n_heads * self.head_dim
         both = self.q_proj(x).view(bsz, -1, self.n_heads, 2 * self.head_dim)
         return both[..., : self.head_dim].reshape(bsz, -1, width), both[..., self.head_dim :].reshape(bsz, -1, width)

@@ -161,14 +161,18 @@ class SingleHeadAttention(nn.Module):
                 f"qk_norm_layout={attn.qk_norm_layout!r} is not supported: SingleHeadAttention needs per-head "
                 "q/k norms (layout 'head') that apply to each [B, T, Dh] head"
             )
+        if attn.qk_norm_after_rope:
+            raise ValueError("q/k norms after rope are not supported: SingleHeadAttention normalises each head as it projects it")
         if attn.qkv_proj is not None and attn.qkv_layout != "blocks":
             raise ValueError(f"qkv_layout={attn.qkv_layout!r} is not supported: SingleHeadAttention splits a fused qkv_proj laid out in 'blocks'")
         heads, kv_heads, dh = attn.n_heads, attn.n_kv_heads, attn.head_dim
         gated = isinstance(attn, GatedAttention)
+        packed = gated and attn.gate_proj is None  # a gated q_proj holds [q_h | gate_h] per head
         fields = ("q_heads", "k_heads", "v_heads", "gate_heads")[: 4 if gated else 3]
-        counts, strides = (heads, kv_heads, kv_heads, heads), (2 * dh if gated else dh, dh, dh, 2 * dh)
-        if attn.qkv_proj is None:  # a gated q_proj holds [q_h | gate_h] per head
-            names, starts = ("q_proj", "k_proj", "v_proj", "q_proj"), (0, 0, 0, dh)
+        counts, strides = (heads, kv_heads, kv_heads, heads), (2 * dh if packed else dh, dh, dh, 2 * dh if packed else dh)
+        if attn.qkv_proj is None:
+            names = ("q_proj", "k_proj", "v_proj", "q_proj" if packed else "gate_proj")
+            starts = (0, 0, 0, dh if packed else 0)
         else:  # rows [q | k | v] of the fused projection
             names, starts = ("qkv_proj",) * 3, (0, heads * dh, (heads + kv_heads) * dh)
         views, projection_parts = [], {}

@@ -196,40 +196,42 @@ def _named(converter: Maker, name: str) -> Maker:
 
 
 def _choose(model: nn.Module, kind: ModelKind, options, ctx: SwapContext, max_seq_len: int) -> dict[str, tuple[int, nn.Module]]:
-    """Probe every option and keep, per module, the first conversion that reproduces the original (prefill and
-    decode): `name -> (index, block)`. `UnsupportedModelError` naming the module when none does."""
-    built = []
-    for name, module, makers in options:
-        blocks, reasons = [], []
-        for make in makers:
-            try:
-                blocks.append(make(module, ctx))
-            except UnsupportedModelError as exc:
-                if len(makers) == 1:
-                    raise
-                blocks.append(None)  # a layout the block cannot take (the next may fit)
-                reasons.append(str(exc))
-        built.append((name, module, blocks, reasons))
-    length = probe_length([block for *_, blocks, _ in built for block in blocks if block is not None], max_seq_len)
+    """Probe the options and keep, per module, the first conversion that reproduces the original (prefill and
+    decode): `name -> (index, block)`. Later conversions are built only when the earlier ones fail, so a module's
+    candidates never hold their state at once. `UnsupportedModelError` naming the module when none matches."""
+    first = [(name, module, makers, _try_make(makers[0], module, ctx, len(makers))) for name, module, makers in options]
+    length = probe_length([block for *_, (block, _) in first if block is not None], max_seq_len)
     with kind.base_only(model):
-        probe = Probe(model, kind, [module for _, module, _, _ in built], length)
+        probe = Probe(model, kind, [module for _, module, _, _ in first], length)
     chosen = {}
-    for name, module, blocks, reasons in built:
-        mismatches = []
-        for index, block in enumerate(blocks):
+    for name, module, makers, (block, failure) in first:
+        mismatches, failures = [], [failure] if failure else []
+        for index, make in enumerate(makers):
+            if index > 0:
+                block, failure = _try_make(make, module, ctx, len(makers))
+                failures += [failure] if failure else []
             reason = None if block is None else probe.mismatch(name, module, block)
             if block is not None and reason is None:
                 chosen[name] = (index, block)
                 break
             mismatches += [reason] if reason is not None else []
         else:
-            reasons = mismatches + reasons
-            tried = f" (the first of {len(blocks)} layouts tried)" if len(blocks) > 1 else ""
+            tried = f" (the first of {len(makers)} layouts tried)" if len(makers) > 1 else ""
             raise UnsupportedModelError(
-                f"{reasons[0]}{tried}. Register a converter for this class (etblocks.register) or pass verify=False "
-                "at your own risk."
+                f"{(mismatches + failures)[0]}{tried}. Register a converter for this class (etblocks.register) or pass "
+                "verify=False at your own risk."
             )
     return chosen
+
+
+def _try_make(make: Maker, module: nn.Module, ctx: SwapContext, candidates: int) -> tuple[nn.Module | None, str | None]:
+    """A conversion, or why it failed when it is one of several candidates (a layout the block cannot take)."""
+    try:
+        return make(module, ctx), None
+    except UnsupportedModelError as exc:
+        if candidates == 1:
+            raise
+        return None, str(exc)
 
 
 def _inside(name: str, targets: list[tuple[str, nn.Module]]) -> bool:

@@ -21,7 +21,7 @@ from transformers.models.qwen3_moe import modeling_qwen3_moe as qwen3_moe
 from etblocks.export.delegation import summarize
 from etblocks.moe import DenseExperts, GatherExperts, GroupedTopKRouter, MoE, SwiGLU, TopKRouter
 from etblocks.moe.router import kth_largest
-from etblocks.swap.hf.moe import MOE_FAMILIES
+from etblocks.swap.hf.moe import MOE_FAMILIES, convert_generic_experts, generic_experts_layout
 from etblocks.swap.recipes import resolve_recipe
 from etblocks.swap.registry import SwapContext
 
@@ -95,6 +95,25 @@ def _dense(router_output) -> torch.Tensor:
     """Top-k `(weights, indices)` as `[N, E]`: independent of the order topk returns them in."""
     weights, indices = router_output
     return torch.zeros(indices.shape[0], E).scatter(1, indices, weights.float())
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss"])
+def test_generic_experts_match_upstream_experts(model_type, strategy):
+    """transformers' generic experts module converted without its family's converter, called as upstream calls it
+    (`experts(x, top_k_index, top_k_weights)`): Mixtral's layout (`[gate; up]`, default gate) and GPT-OSS's
+    (interleaved, transposed, biased, its own clamped gate through `UpstreamGate`)."""
+    experts = upstream_moe(model_type).experts
+    assert generic_experts_layout(experts) is convert_generic_experts
+    ctx = SwapContext(recipe=resolve_recipe("xnnpack", moe=strategy), max_seq_len=64)
+    converted = convert_generic_experts(experts, ctx)
+    assert converted.experts.strategy == strategy
+    assert not any(type(m).__module__.startswith("transformers") and any(m.parameters()) for m in converted.modules())
+    torch.manual_seed(1)
+    x = torch.randn(6, D)
+    weights, index = torch.randn(6, E).softmax(-1).topk(K)
+    with torch.no_grad():
+        torch.testing.assert_close(converted(x, index, weights), experts(x, index, weights), atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize(

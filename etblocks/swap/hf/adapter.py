@@ -51,6 +51,8 @@ class HFCall(FedPositions):
       `interleaved` is set;
     - "halves_as_pairs": `cat(f, f)`, of which the model rotates interleaved pairs with the first half repeated
       (GLM, ERNIE 4.5): turned into "pairs";
+    - "halves_reversed": `cat(f, f)`, rotated the other way (NanoChat's rotate-half flips the signs): `sin`
+      negated;
     - "none": the layer does not rotate (what `use_rope=False` also says).
     """
 
@@ -72,6 +74,8 @@ class HFCall(FedPositions):
             rope = tuple(torch.cat((t, t), dim=-1) for t in rope)
         elif rope is not None and self.rope_tables == "halves_as_pairs":
             rope = tuple(torch.stack((t[..., : t.shape[-1] // 2],) * 2, dim=-1).flatten(-2) for t in rope)
+        elif rope is not None and self.rope_tables == "halves_reversed":
+            rope = (rope[0], -rope[1])
         return super().forward(hidden_states, position_ids[0], rope), None
 
 

@@ -19,12 +19,13 @@ class HFAttentionLayout:
     qkv: the names of its q, k and v projections, or of one fused projection (rows in `qkv_layout`: "blocks"
         `[q | k | v]`, or "heads" `[q_h | k_h | v_h]` per head).
     o_proj: the name of its output projection; None: it has none (another module projects its output).
-    qk_norm: None, or "head" (norm over head_dim, before rope), "full" (over the whole projection width) or
-        "heads_first" (a norm that expects `[B, H, T, D]`).
+    qk_norm: None, or "head" (norm over head_dim, before rope unless `qk_norm_after_rope`), "full" (over the
+        whole projection width) or "heads_first" (a norm that expects `[B, H, T, D]`).
     window_in_config: the family reads `config.sliding_window` for every layer instead of a per-module attribute.
     sinks_attr: the per-head sink logits `[H]` (GPT-OSS), kept by the block under the same name.
     rope_tables: how the model lays out the `(cos, sin)` it passes and which dims they pair (see `HFCall`).
     output_gate: `q_proj` gives each head's query and a sigmoid gate on its output (`GatedAttention`: Qwen3.5).
+    gate_proj: the name of a projection giving that gate instead (AFMoE).
     """
 
     qkv: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
@@ -37,7 +38,9 @@ class HFAttentionLayout:
     sinks_attr: str | None = None
     rope_tables: str = "halves"
     qkv_layout: str = "blocks"
+    qk_norm_after_rope: bool = False
     output_gate: bool = False
+    gate_proj: str | None = None
 
 
 def head_dim_of(module: nn.Module) -> int | None:
@@ -82,7 +85,10 @@ def attention_from_layout(
     sdpa, cache = sdpa_and_cache(
         module.scaling, softcap, window, sinks is not None, n_kv_heads, head_dim, weight.dtype, ctx
     )
-    block = (HFGatedAttention if layout.output_gate else HFAttention)(
+    gated = layout.output_gate or layout.gate_proj is not None
+    gate = dict(gate_proj=getattr(module, layout.gate_proj)) if layout.gate_proj else {}
+    block = (HFGatedAttention if gated else HFAttention)(
+        **gate,
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
         head_dim=head_dim,
@@ -99,6 +105,7 @@ def attention_from_layout(
         sinks=sinks,
         interleaved=layout.rope_tables in ("pairs", "halves_as_pairs"),
         qkv_layout=layout.qkv_layout,
+        qk_norm_after_rope=layout.qk_norm_after_rope,
     )
     if ctx.recipe.attention == "sha":
         block = HFSingleHeadAttention.from_attention(block, conv2d=ctx.recipe.linear == "conv2d")

@@ -6,9 +6,9 @@ import dataclasses
 
 from torch import nn
 
-from etblocks.swap.hf.convert import HFAttentionLayout, head_dim_of
+from etblocks.swap.hf.convert import HFAttentionLayout, head_dim_of, out_features
 
-_NORM_NAMES = (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm"), ("query_layernorm", "key_layernorm"))
+_NORM_NAMES = (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm"), ("query_layernorm", "key_layernorm"), ("qk_norm", "qk_norm"))
 
 
 # Names families give their q/k/v projections, and their output projection (None: the module has none, BERT's
@@ -27,39 +27,46 @@ def infer_layouts(module: nn.Module) -> list[HFAttentionLayout]:
     ..., or one fused projection), at most one output projection (`o_proj`, `out_proj`, `dense`, `c_proj`), a
     head size, `scaling` and `config`; else none.
 
-    q/k norms are recognised by name; whether they act per head or over the full width is read off their
-    weight size. Rope is taken from the `position_embeddings` the model passes in, in each pairing of dims a
+    q/k norms are recognised by name; whether they act per head (before or after rope) or over the full width is
+    read off their weight size, or tried when they have no weight. Rope is taken from the `position_embeddings` the model passes in, in each pairing of dims a
     family may use (`ROPE_TABLES`): `swap` keeps the first layout its probe accepts, and refuses the module
-    when none matches (norm after rope, extra gates). Per-head sink logits (`sinks [H]`) are kept.
+    when none matches. A sigmoid output gate from its own `gate_proj` and per-head sink logits (`sinks [H]`) are
+    kept.
     """
     qkv = next((names for names in _QKV_NAMES if all(_is_projection(getattr(module, n, None)) for n in names)), None)
     o_proj = next(name for name in _O_NAMES if name is None or _is_projection(getattr(module, name, None)))
     if qkv is None or head_dim_of(module) is None or not all(hasattr(module, a) for a in ("scaling", "config")):
         return []
-    known = {*qkv, o_proj} | {n for pair in _NORM_NAMES for n in pair}
+    gate = getattr(module, "gate_proj", None)  # a sigmoid gate on the heads' output, from its own projection
+    gate_proj = "gate_proj" if _is_projection(gate) and out_features(gate) == out_features(getattr(module, qkv[0])) and len(qkv) == 3 else None
+    known = {*qkv, o_proj, gate_proj} | {n for pair in _NORM_NAMES for n in pair}
     if any(name not in known and not isinstance(child, nn.Dropout) for name, child in module.named_children()):
         return []  # extra sub-modules (gates, sub-norms) mean extra computation this layout would drop
     sinks = getattr(module, "sinks", None)
     extras = {
         "qkv": qkv,
         "o_proj": o_proj,
+        "gate_proj": gate_proj,
         "sinks_attr": "sinks" if isinstance(sinks, nn.Parameter) and sinks.ndim == 1 else None,
         "softcap_attr": "attn_logit_softcapping" if hasattr(module, "attn_logit_softcapping") else None,
         "window_in_config": not hasattr(module, "sliding_window"),
     }
     for q_name, k_name in _NORM_NAMES:
-        q_norm = getattr(module, q_name, None)
-        if q_norm is None:
+        if getattr(module, q_name, None) is None:
             continue
-        weight = getattr(q_norm, "weight", None)
-        per_head = weight is not None and weight.numel() == head_dim_of(module)
-        return _variants(HFAttentionLayout(qk_norm="head" if per_head else "full", q_norm=q_name, k_norm=k_name, **extras))
+        norms = dict(q_norm=q_name, k_norm=k_name, **extras)
+        weight = getattr(getattr(module, q_name), "weight", None)
+        head = [HFAttentionLayout(qk_norm="head", **norms), HFAttentionLayout(qk_norm="head", qk_norm_after_rope=True, **norms)]
+        full = [HFAttentionLayout(qk_norm="full", **norms)]
+        if weight is None:  # a norm without weights could act per head (before or after rope) or over the width
+            return [v for layout in head + full for v in _variants(layout)]
+        return [v for layout in (head if weight.numel() == head_dim_of(module) else full) for v in _variants(layout)]
     return _variants(HFAttentionLayout(**extras))
 
 
 # How the rotary tables a model passes pair a head's dims, most common first (see `HFCall`); "none": a layer that
 # does not rotate (NoPE layers of hybrids of local and global attention).
-ROPE_TABLES = ("halves", "halves_as_pairs", "pairs", "none")
+ROPE_TABLES = ("halves", "halves_as_pairs", "pairs", "none", "halves_reversed")
 
 
 def _variants(layout: HFAttentionLayout) -> list[HFAttentionLayout]:
