@@ -1,0 +1,188 @@
+"""Every architecture in transformers' causal-LM auto mapping against etblocks on XNNPACK.
+
+For each model type: build the tiny config of `tests/hf_matrix.py` (or record why transformers cannot), swap a copy
+for XNNPACK (with the probe), export it, and compare the program's greedy tokens with upstream `generate`. Each
+family runs in its own process (a crash or a hang is recorded as a raw failure of that family, not of the run).
+Statuses:
+- `token-exact`: the exported program's tokens equal `generate`'s;
+- `refused`: `swap` or `export` refused the model with a typed etblocks error (the reason is kept);
+- `not buildable`: transformers itself cannot build or run the tiny config here (the reason is kept);
+- `wrong tokens` / `raw exception` / `crashed`: bugs; the script exits 1 when any family has one.
+
+    python benchmarks/support_matrix.py                       # the whole matrix -> benchmarks/results/support_matrix.json
+    python benchmarks/support_matrix.py --families llama,glm  # some families (merged into the results file)
+    python benchmarks/support_matrix.py --render              # rewrite docs/transformers.md from the results file
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "support_matrix.json"
+PAGE = ROOT / "docs" / "transformers.md"
+NEW_TOKENS = 8
+PROMPT_LEN = 12
+MAX_SEQ_LEN = 64
+FAMILY_TIMEOUT_S = 900
+OK, REFUSED, NOT_BUILDABLE = "token-exact", "refused", "not buildable"
+BUGS = ("wrong tokens", "raw exception", "crashed")
+
+
+def run_family(model_type: str, workdir: Path) -> dict:
+    """Swap, export and compare one family (in this process)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import torch
+    from hf_matrix import NOT_BUILDABLE as UNBUILDABLE, tiny_matrix_model
+
+    import etblocks
+    from etblocks.errors import EtblocksError
+
+    if model_type in UNBUILDABLE:
+        return {"status": NOT_BUILDABLE, "reason": UNBUILDABLE[model_type]}
+    model = tiny_matrix_model(model_type)
+    record = {"architecture": type(model).__name__}
+    vocab = model.config.get_text_config().vocab_size
+    prompt = torch.randint(3, vocab, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model.generate(prompt, do_sample=False, max_new_tokens=NEW_TOKENS)[0, PROMPT_LEN:].tolist()
+    swapped = copy.deepcopy(model)
+    step = "swap"
+    try:
+        etblocks.swap(swapped, backend="xnnpack", max_seq_len=MAX_SEQ_LEN)
+        step = "export"  # a typed refusal here is still a refusal, but one swap should have given
+        result = etblocks.export(swapped, backend="xnnpack", out=workdir / f"{model_type}.pte")
+        step = "run"
+        actual = etblocks.Runner(result.path).generate(prompt[0].tolist(), max_new_tokens=NEW_TOKENS)
+    except EtblocksError as exc:
+        where = "" if step == "swap" else f"at {step}: "
+        return {**record, "status": REFUSED, "reason": f"{where}{type(exc).__name__}: {exc}"}
+    except Exception as exc:  # noqa: BLE001 - what the matrix exists to find
+        return {**record, "status": "raw exception", "reason": f"at {step}: {type(exc).__name__}: {exc}"[:2000]}
+    converted = sorted({type(m).__name__ for m in swapped.modules() if type(m).__module__.startswith("etblocks")})
+    record.update(expected=expected, actual=actual, blocks=converted)
+    if actual != expected:
+        first = next(i for i, (a, b) in enumerate(zip(actual, expected)) if a != b) if len(actual) == len(expected) else 0
+        return {**record, "status": "wrong tokens", "reason": f"first difference at token {first}"}
+    return {**record, "status": OK}
+
+
+def run_isolated(model_type: str) -> dict:
+    """`run_family` in a fresh process; a crash or a timeout is recorded as such."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        start = time.perf_counter()
+        cmd = [sys.executable, __file__, "--one", model_type, "--one-out", str(out)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=FAMILY_TIMEOUT_S, env=env, check=False)
+        except subprocess.TimeoutExpired:
+            return {"status": "crashed", "reason": f"no result within {FAMILY_TIMEOUT_S} s"}
+        if not out.exists():
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            return {"status": "crashed", "reason": f"exit {done.returncode}: {' | '.join(tail)}"[:2000]}
+        record = json.loads(out.read_text())
+        record["seconds"] = round(time.perf_counter() - start, 1)
+        return record
+
+
+def versions() -> dict:
+    from importlib.metadata import version
+
+    return {name: version(name) for name in ("transformers", "torch", "executorch")}
+
+
+def git_commit() -> str | None:
+    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False)
+    return done.stdout.strip() or None
+
+
+def all_model_types() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def render(results: dict) -> str:
+    families = results["families"]
+    counts = {status: sum(1 for r in families.values() if r["status"] == status) for status in (OK, REFUSED, NOT_BUILDABLE, *BUGS)}
+    lines = [
+        "# Every transformers causal LM",
+        "",
+        "<!-- generated by benchmarks/support_matrix.py --render from benchmarks/results/support_matrix.json -->",
+        "",
+        f"Each architecture in transformers {results['versions']['transformers']}'s causal-LM auto mapping, as a tiny "
+        f"random-weight config (`tests/hf_matrix.py`), swapped for XNNPACK with `etblocks.swap` (every replacement "
+        f"checked by the probe, prefill and decode), exported, and run: **{NEW_TOKENS} greedy tokens of the program "
+        f"against transformers' `generate`** from a {PROMPT_LEN}-token prompt. Run with "
+        f"`python benchmarks/support_matrix.py` (commit {str(results.get('git_commit'))[:10]}; torch "
+        f"{results['versions']['torch']}, executorch {results['versions']['executorch']}).",
+        "",
+        "| status | architectures |",
+        "|---|---|",
+        *(f"| {status} | {n} |" for status, n in counts.items() if n or status == OK),
+        "",
+        "`refused`: `swap` (or `export`) raised a typed etblocks error and left the model untouched; the reason is "
+        "its message. `not buildable`: transformers itself cannot build or run the tiny config here.",
+        "",
+        "| model type | architecture | status | etblocks blocks / reason |",
+        "|---|---|---|---|",
+    ]
+    for model_type, record in sorted(families.items()):
+        detail = ", ".join(record.get("blocks", [])) if record["status"] == OK else record.get("reason", "")
+        detail = " ".join(detail.split()).replace("|", "\\|")
+        if len(detail) > 300:
+            detail = detail[:297] + "..."
+        lines.append(f"| `{model_type}` | {record.get('architecture', '')} | {record['status']} | {detail} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--families", help="comma-separated model types (default: all); merged into the results file")
+    parser.add_argument("--jobs", type=int, default=2, help="families run at once (default 2)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--render", action="store_true", help=f"rewrite {PAGE.relative_to(ROOT)} from the results file")
+    parser.add_argument("--check", action="store_true", help=f"exit 1 if {PAGE.relative_to(ROOT)} is not what the results give")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--one-out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.one:
+        with tempfile.TemporaryDirectory() as tmp:
+            record = run_family(args.one, Path(tmp))
+        args.one_out.write_text(json.dumps(record))
+        return 0
+    if args.render or args.check:
+        page = render(json.loads(args.out.read_text()))
+        if args.check:
+            return 0 if PAGE.exists() and PAGE.read_text() == page else 1
+        PAGE.write_text(page)
+        return 0
+
+    model_types = args.families.split(",") if args.families else all_model_types()
+    results = json.loads(args.out.read_text()) if args.families and args.out.exists() else {"families": {}}
+    start = time.perf_counter()
+    with ThreadPoolExecutor(args.jobs) as pool:
+        for model_type, record in zip(model_types, pool.map(run_isolated, model_types)):
+            results["families"][model_type] = record
+            print(f"{model_type:28s} {record['status']:15s} {record.get('reason', '')[:150]}", flush=True)
+    results.update(versions=versions(), git_commit=git_commit(), wall_s=round(time.perf_counter() - start))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    bugs = sorted(t for t, r in results["families"].items() if r["status"] in BUGS)
+    print(f"{sum(r['status'] == OK for r in results['families'].values())} token-exact; bugs: {bugs or 'none'}")
+    return 1 if bugs else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

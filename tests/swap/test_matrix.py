@@ -1,0 +1,88 @@
+"""Every architecture of transformers' causal-LM auto mapping (`hf_matrix.py`): `swap` takes it with the probe
+(and its eager logits then match upstream) or refuses it with a typed error, model untouched; never a raw
+exception. A fixed subset, one family per fallback path and per generic converter, is exported and must give
+`generate`'s tokens. The whole matrix with exports is `benchmarks/support_matrix.py`, whose committed results
+make docs/transformers.md."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hf_matrix import MATRIX, tiny_matrix_model
+from hf_models import assert_untouched, snapshot_of
+
+import etblocks
+from etblocks.errors import EtblocksError
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPT = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(1))
+NEW_TOKENS = 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", sorted(MATRIX))
+def test_swap_takes_or_refuses_cleanly(model_type):
+    original = tiny_matrix_model(model_type)
+    model = copy.deepcopy(original)
+    snapshot = snapshot_of(model)
+    try:
+        etblocks.swap(model, backend="xnnpack", max_seq_len=64)
+    except EtblocksError:
+        assert_untouched(model, snapshot)
+        return
+    positions = torch.arange(PROMPT.shape[1])[None]
+    with torch.no_grad():
+        expected = original(input_ids=PROMPT, position_ids=positions, use_cache=False).logits[:, -1]
+        actual = model(input_ids=PROMPT, position_ids=positions, use_cache=False).logits[:, -1]
+    assert (actual - expected).abs().max().item() <= 1e-4 * max(1.0, expected.abs().max().item())
+
+
+# model type -> what its export covers
+EXPORTED = {
+    "glm": "rope tables in halves, rotated as interleaved pairs (partial rotary)",
+    "cohere": "interleaved rope tables",
+    "flint": "NoPE full layers beside rotary sliding ones, attention sinks",
+    "gpt_neox": "fused qkv rows per head",
+    "gpt2": "Conv1D projections, positions handed over from the model's call",
+    "gpt_bigcode": "fused multi-query qkv in blocks",
+    "bert": "BERT's inner self-attention without an output projection",
+    "ernie4_5_moe": "generic experts (gather) behind the family's router",
+    "aria_text": "generic experts stored transposed",
+}
+
+
+def _exported_tokens(model_type: str, backend: str, tmp_path) -> tuple[list[int], list[int]]:
+    original = tiny_matrix_model(model_type)
+    swapped = etblocks.swap(copy.deepcopy(original), backend=backend, max_seq_len=64)
+    result = etblocks.export(swapped, backend=backend, out=tmp_path / f"{model_type}.pte")
+    with torch.no_grad():
+        expected = original.generate(PROMPT, do_sample=False, max_new_tokens=NEW_TOKENS)[0, PROMPT.shape[1] :].tolist()
+    actual = etblocks.Runner(result.path).generate(PROMPT[0].tolist(), max_new_tokens=NEW_TOKENS)
+    assert len(set(expected)) > 2, "degenerate reference: the test would not tell models apart"
+    return expected, actual
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", sorted(EXPORTED))
+def test_fallback_and_generic_paths_export_token_exact(model_type, tmp_path):
+    expected, actual = _exported_tokens(model_type, "xnnpack", tmp_path)
+    assert actual == expected, EXPORTED[model_type]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["ernie4_5_moe", "gpt_neox"])
+def test_static_programs_of_generic_paths_are_token_exact(model_type, tmp_path):
+    """OpenVINO's static program: dense generic experts from the router's top-k; fused per-head qkv."""
+    expected, actual = _exported_tokens(model_type, "openvino", tmp_path)
+    assert actual == expected
+
+
+def test_support_page_is_what_the_results_give():
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "support_matrix.py"), "--check"], cwd=ROOT,
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 0, "docs/transformers.md is stale: run python benchmarks/support_matrix.py --render"
