@@ -355,3 +355,16 @@ def test_moe_experts_etblocks_does_not_convert_are_refused_until_they_export(tmp
     result = etblocks.export(model, backend="xnnpack", out=tmp_path / "hunyuan_moe.pte")
     prompt = prompt_ids(12)
     assert etblocks.Runner(result.path).generate(prompt[0].tolist(), max_new_tokens=16) == hf_greedy(original, prompt, 16)
+
+
+def test_model_whose_embeddings_ignore_position_ids_is_refused():
+    """BART's causal-LM decoder embeds positions counted from the call (its learned positions ignore `position_ids`):
+    every block passes the probe, but its programs would embed each decode step at position 0, so swap refuses the
+    model before changing it."""
+    from hf_matrix import tiny_matrix_model
+
+    model = tiny_matrix_model("bart")
+    snapshot = snapshot_of(model)
+    with pytest.raises(UnsupportedModelError, match=r"BartForCausalLM does not place a token by the position_ids"):
+        etblocks.swap(model, backend="xnnpack", max_seq_len=32)
+    assert_untouched(model, snapshot)

@@ -85,7 +85,7 @@ def swap(
             f"{type(model).__name__} has no attention modules to swap; supported attention classes: {MIXERS.supported()}"
         )
     adapter = kind.adapter_layers(model)
-    options = [(name, module, _conversions(name, module)) for name, module in targets]
+    options = [(name, module, _conversions_or_refusal(name, module)) for name, module in targets]
     others = []  # outer modules first: what a converted module holds is its converter's
     for name, module in model.named_modules():
         if not _inside(name, targets + [(outer, m) for outer, m, _ in others]):
@@ -96,11 +96,17 @@ def swap(
     # The probe checks the conversion, exactly; what int8 caches cost is measured apart (tests, benchmarks).
     probe_ctx = dataclasses.replace(ctx, recipe=dataclasses.replace(recipe, kv_quantize=None))
     probed = {name for name, module, makers in options if len(makers) > 1 or (verify and MODULES.same_output(module))}
-    chosen = _choose(model, kind, [o for o in options if o[0] in probed], probe_ctx, max_seq_len) if probed else {}
+    mixers = [module for _, module in targets] if verify else None
+    chosen = _choose(model, kind, [o for o in options if o[0] in probed], probe_ctx, max_seq_len, mixers) if probed else {}
     replacements = []
     for name, module, makers in options:
+        if name in chosen and chosen[name] is None:
+            continue  # never called by a text forward (a vision tower, cross-attention): left as it is
         index, block = chosen.get(name, (0, None))
         replacements.append((name, block if block is not None and probe_ctx == ctx else makers[index](module, ctx)))
+    targets = [(name, module) for name, module in targets if chosen.get(name, True) is not None]
+    if not targets:
+        raise UnsupportedModelError(f"none of the token mixers of this {type(model).__name__} runs in a text forward pass")
     _commit(model, replacements, recipe)
     kind.finish(model)
     if adapter:
@@ -155,6 +161,20 @@ def _check_max_seq_len(model: nn.Module, max_seq_len: int | None) -> int:
 Maker = Callable[[nn.Module, SwapContext], nn.Module]
 
 
+def _conversions_or_refusal(name: str, module: nn.Module) -> list[Maker]:
+    """`_conversions`, or one maker raising its refusal: a module the model never calls needs no conversion."""
+    try:
+        return _conversions(name, module)
+    except UnsupportedModelError as exc:
+        refusal = exc
+
+        def refuse(module: nn.Module, ctx: SwapContext) -> nn.Module:
+            raise refusal
+
+        refuse.if_called = True
+        return [refuse]
+
+
 def _conversions(name: str, module: nn.Module) -> list[Maker]:
     """The ways to convert a token mixer, in order of preference: its registered converter, the converter of a
     state layer laid out as one etblocks converts, or every variant of the common attention layout it may be."""
@@ -195,20 +215,33 @@ def _named(converter: Maker, name: str) -> Maker:
     return convert
 
 
-def _choose(model: nn.Module, kind: ModelKind, options, ctx: SwapContext, max_seq_len: int) -> dict[str, tuple[int, nn.Module]]:
+def _choose(
+    model: nn.Module, kind: ModelKind, options, ctx: SwapContext, max_seq_len: int, mixers: list[nn.Module] | None
+) -> dict[str, tuple[int, nn.Module] | None]:
     """Probe the options and keep, per module, the first conversion that reproduces the original (prefill and
-    decode): `name -> (index, block)`. Later conversions are built only when the earlier ones fail, so a module's
-    candidates never hold their state at once. `UnsupportedModelError` naming the module when none matches."""
-    first = [(name, module, makers, _try_make(makers[0], module, ctx, len(makers))) for name, module, makers in options]
+    decode): `name -> (index, block)`, or None for a module the model never called (left upstream). Later
+    conversions are built only when the earlier ones fail, so a module's candidates never hold their state at
+    once. `UnsupportedModelError` naming the module when none matches, or, given the `mixers`, when the model does
+    not place tokens by the positions it is called with."""
+    first = [(name, module, makers, _try_make(makers[0], module, ctx)) for name, module, makers in options]
+    for name, module, makers, (block, failure) in first:
+        if block is None and len(makers) == 1 and not getattr(makers[0], "if_called", False):
+            raise UnsupportedModelError(failure)  # a converter that cannot take the module: before running anything
     length = probe_length([block for *_, (block, _) in first if block is not None], max_seq_len)
     with kind.base_only(model):
         probe = Probe(model, kind, [module for _, module, _, _ in first], length)
+        first_called = next((m for m in mixers or [] if id(m) in probe.calls), None)
+        if first_called is not None and (reason := probe.position_mismatch(first_called)):
+            raise UnsupportedModelError(reason)
     chosen = {}
     for name, module, makers, (block, failure) in first:
+        if id(module) not in probe.calls:
+            chosen[name] = None
+            continue
         mismatches, failures = [], [failure] if failure else []
         for index, make in enumerate(makers):
             if index > 0:
-                block, failure = _try_make(make, module, ctx, len(makers))
+                block, failure = _try_make(make, module, ctx)
                 failures += [failure] if failure else []
             reason = None if block is None else probe.mismatch(name, module, block)
             if block is not None and reason is None:
@@ -216,21 +249,22 @@ def _choose(model: nn.Module, kind: ModelKind, options, ctx: SwapContext, max_se
                 break
             mismatches += [reason] if reason is not None else []
         else:
+            if not mismatches:
+                raise UnsupportedModelError(failures[0])
             tried = f" (the first of {len(makers)} layouts tried)" if len(makers) > 1 else ""
             raise UnsupportedModelError(
-                f"{(mismatches + failures)[0]}{tried}. Register a converter for this class (etblocks.register) or pass "
+                f"{mismatches[0]}{tried}. Register a converter for this class (etblocks.register) or pass "
                 "verify=False at your own risk."
             )
     return chosen
 
 
-def _try_make(make: Maker, module: nn.Module, ctx: SwapContext, candidates: int) -> tuple[nn.Module | None, str | None]:
-    """A conversion, or why it failed when it is one of several candidates (a layout the block cannot take)."""
+def _try_make(make: Maker, module: nn.Module, ctx: SwapContext) -> tuple[nn.Module | None, str | None]:
+    """A conversion, or why it failed (a layout the block cannot take, or a refusal `_choose` raises if the model
+    calls the module)."""
     try:
         return make(module, ctx), None
     except UnsupportedModelError as exc:
-        if candidates == 1:
-            raise
         return None, str(exc)
 
 

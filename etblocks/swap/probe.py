@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from etblocks.attention.masks import additive_mask, allowed_keys
+from etblocks.errors import UnsupportedModelError
 from etblocks.state.base import State, find_states, reset_states
 from etblocks.state.spec import RING, apply_update, held_positions
 from etblocks.swap.kinds import ModelKind
@@ -49,6 +50,27 @@ class Probe:
         self.tokens = torch.randint(0, kind.vocab_size(model), (1, length), generator=generator)
         self.positions = torch.arange(length)
         self.calls = _record(model, kind, originals, self.tokens, self.positions)
+        self.model, self.kind = model, kind
+
+    @torch.no_grad()
+    def position_mismatch(self, first_mixer: nn.Module) -> str | None:
+        """Why the model would not decode from absolute positions (None: it does). Programs call it with one token
+        at position p; what reaches its first mixer must be what that mixer saw for row p of the whole sequence.
+        Models whose embeddings count positions from the call (learned absolute positions that ignore
+        `position_ids`) fail: every decode step would embed position 0."""
+        recorded = self.calls.get(id(first_mixer))
+        if recorded is None:
+            return None  # not called: `mismatch` says so
+        single = _record(self.model, self.kind, [first_mixer], self.tokens[:, -1:], self.positions[-1:])[id(first_mixer)]
+        expected, actual = _hidden_states(recorded)[:, -1:], _hidden_states(single)
+        if actual.shape == expected.shape and (actual - expected).abs().max().item() <= TOLERANCE * max(1.0, expected.abs().max().item()):
+            return None
+        return (
+            f"{type(self.model).__name__} does not place a token by the position_ids it is called with: the input of "
+            f"its first token mixer for one token at position {self.length - 1} differs from that row of the whole "
+            "sequence (embeddings that count positions from the call); its programs would decode every token as "
+            "the first"
+        )
 
     def steps(self) -> list[tuple[int, int]]:
         """`(start, stop)` of each call: a prefill, then `CONTINUATION` (fewer when the probe is short)."""
@@ -94,6 +116,10 @@ class Probe:
             reset_states(new)
             for state in states:
                 state.unbind()
+
+
+def _hidden_states(call: Call) -> torch.Tensor:
+    return call.args[0] if call.args else call.kwargs["hidden_states"]
 
 
 def _cut(value, length: int, start: int, stop: int, cut: dict | None = None):
@@ -150,6 +176,8 @@ def _record(model: nn.Module, kind: ModelKind, modules: list[nn.Module], tokens:
     model.eval()
     try:
         kind.logits(model, tokens, positions.unsqueeze(0), last_only=True)
+    except Exception as exc:  # the untouched model itself: nothing to compare with
+        raise UnsupportedModelError(f"{type(model).__name__} failed on a probe input of {tokens.shape[1]} tokens: {exc}") from exc
     finally:
         model.train(was_training)
         for hook in hooks:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -23,15 +25,21 @@ def is_hf_causal_lm(model: nn.Module) -> bool:
     return isinstance(model, PreTrainedModel) and hasattr(model, "config")
 
 
+# Names of cross-attention modules (BART-style decoders' `encoder_attn`, BERT's `crossattention`).
+CROSS_ATTENTION = re.compile(r"^(encoder_attn|crossattention|cross_attn|cross_attention)$")
+
+
 def mixer_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The outermost token mixers: attention, named `self_attn` (transformers' convention) or of a class named
     `...Attention` (what families with other names use, e.g. GPT-2's `attn`), and the state layers of hybrids
     (`etblocks.swap.hf.hybrid.is_state_layer`). An attention holding its mixer as `self` beside an `output` block
-    (BERT and its kind) gives that inner module."""
+    (BERT and its kind) gives that inner module. Cross-attention is left upstream: a causal LM never calls it."""
     found: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         if any(name == outer or name.startswith(outer + ".") for outer, _ in found):
             continue
+        if CROSS_ATTENTION.search(name.split(".")[-1]):
+            continue  # reads an encoder's states, which a causal LM without an encoder never gives: never called
         if name.split(".")[-1] == "self_attn" or type(module).__name__.endswith("Attention") or is_state_layer(module):
             inner = getattr(module, "self", None)  # BERT's `attention`: the mixer is `attention.self`
             found.append((f"{name}.self", inner) if isinstance(inner, nn.Module) and hasattr(module, "output") else (name, module))
@@ -110,7 +118,7 @@ class TransformersKind(ModelKind):
         return generic_experts_layout(module)
 
     def vocab_size(self, model: nn.Module) -> int:
-        return model.config.vocab_size
+        return model.config.get_text_config().vocab_size
 
     def logits(self, model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor, last_only: bool) -> torch.Tensor:
         return model(input_ids=tokens, position_ids=positions, use_cache=False, logits_to_keep=int(last_only)).logits
@@ -122,7 +130,8 @@ class TransformersKind(ModelKind):
         bos = getattr(generation, "bos_token_id", None)
         if bos is None:
             bos = getattr(config, "bos_token_id", None)
-        return {"vocab_size": config.vocab_size, "bos_id": bos, "eos_ids": eos, "n_layers": config.num_hidden_layers}
+        text = config.get_text_config()  # multimodal wrappers keep the language model's sizes there
+        return {"vocab_size": text.vocab_size, "bos_id": bos, "eos_ids": eos, "n_layers": text.num_hidden_layers}
 
     def check(self, model: nn.Module, replaced: list[str]) -> None:
         """MoE experts left upstream must export through transformers' own kernel, or the export fails much later."""
