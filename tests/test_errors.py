@@ -368,3 +368,15 @@ def test_model_whose_embeddings_ignore_position_ids_is_refused():
     with pytest.raises(UnsupportedModelError, match=r"BartForCausalLM does not place a token by the position_ids"):
         etblocks.swap(model, backend="xnnpack", max_seq_len=32)
     assert_untouched(model, snapshot)
+
+
+def test_mixer_called_several_times_per_forward_is_refused():
+    """HRM runs its layers in loops within one forward pass: a cache of one row per position cannot hold every pass
+    (its exported program gave other tokens than `generate`), so swap refuses it, naming the module."""
+    from hf_matrix import tiny_matrix_model
+
+    model = tiny_matrix_model("hrm_text")
+    snapshot = snapshot_of(model)
+    with pytest.raises(UnsupportedModelError, match=r"self_attn \(HrmTextAttention\) runs [0-9]+ times in one forward pass"):
+        etblocks.swap(model, backend="xnnpack", max_seq_len=32)
+    assert_untouched(model, snapshot)

@@ -8,7 +8,6 @@ import functools
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
 from torch import nn
 
 from etblocks.adapters.load import attach_adapter

@@ -36,9 +36,12 @@ def probe_length(replacements: list[nn.Module], max_seq_len: int) -> int:
 
 @dataclass
 class Call:
+    """A module's last call in the recorded run, and how many times the run called it."""
+
     args: tuple
     kwargs: dict
     output: torch.Tensor
+    count: int = 1
 
 
 class Probe:
@@ -59,8 +62,8 @@ class Probe:
         Models whose embeddings count positions from the call (learned absolute positions that ignore
         `position_ids`) fail: every decode step would embed position 0."""
         recorded = self.calls.get(id(first_mixer))
-        if recorded is None:
-            return None  # not called: `mismatch` says so
+        if recorded is None or recorded.count > 1:
+            return None  # not called, or called in a loop: `mismatch` says so
         single = _record(self.model, self.kind, [first_mixer], self.tokens[:, -1:], self.positions[-1:])[id(first_mixer)]
         expected, actual = _hidden_states(recorded)[:, -1:], _hidden_states(single)
         if actual.shape == expected.shape and (actual - expected).abs().max().item() <= TOLERANCE * max(1.0, expected.abs().max().item()):
@@ -87,10 +90,15 @@ class Probe:
         call = self.calls.get(id(original))
         if call is None:
             return f"{name} ({type(original).__name__}) was not called in a forward pass"
+        states = find_states(new)
+        if states and call.count > 1:  # weight-shared loops (HRM): one cache row per position cannot hold each pass
+            return (
+                f"{name} ({type(original).__name__}) runs {call.count} times in one forward pass; the state of its "
+                "replacement holds one pass per position"
+            )
         kwargs = call.kwargs
         if hasattr(new, "take_positions") and kwargs.get("position_ids") is None:  # upstream hands it none (`FedPositions`)
             kwargs = {**kwargs, "position_ids": self.positions[None]}
-        states = find_states(new)
         caller = _CallerState(states)
         try:
             for start, stop in self.steps() if states else [(0, self.length)]:
@@ -169,7 +177,9 @@ def _record(model: nn.Module, kind: ModelKind, modules: list[nn.Module], tokens:
     calls: dict[int, Call] = {}
 
     def record(module, args, kwargs, output):
+        earlier = calls.get(id(module))
         calls[id(module)] = Call(args, kwargs, output[0] if isinstance(output, tuple) else output)
+        calls[id(module)].count = 1 + (earlier.count if earlier else 0)
 
     hooks = [m.register_forward_hook(record, with_kwargs=True) for m in modules]
     was_training = model.training
