@@ -178,8 +178,8 @@ def _record(model: nn.Module, kind: ModelKind, modules: list[nn.Module], tokens:
 
     def record(module, args, kwargs, output):
         earlier = calls.get(id(module))
-        calls[id(module)] = Call(args, kwargs, output[0] if isinstance(output, tuple) else output)
-        calls[id(module)].count = 1 + (earlier.count if earlier else 0)
+        count = 1 + (earlier.count if earlier else 0)
+        calls[id(module)] = Call(args, kwargs, output[0] if isinstance(output, tuple) else output, count)
 
     hooks = [m.register_forward_hook(record, with_kwargs=True) for m in modules]
     was_training = model.training
