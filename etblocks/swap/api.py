@@ -92,8 +92,10 @@ def swap(
                 others.append((name, module, converter))
     options += [(name, module, [_named(converter, name)]) for name, module, converter in others]
     kind.check(model, [name for name, _, _ in options])
-    # The probe checks the conversion, exactly; what int8 caches cost is measured apart (tests, benchmarks).
-    probe_ctx = dataclasses.replace(ctx, recipe=dataclasses.replace(recipe, kv_quantize=None))
+    # The probe checks the conversion, exactly, at the model's own precision; what int8 or fp16 state costs is
+    # measured apart (tests, benchmarks). Blocks built for another recipe are built again for the real one.
+    own_dtype = next(model.parameters()).dtype
+    probe_ctx = dataclasses.replace(ctx, recipe=dataclasses.replace(recipe, kv_quantize=None, dtype=own_dtype))
     probed = {name for name, module, makers in options if len(makers) > 1 or (verify and MODULES.same_output(module))}
     mixers = [module for _, module in targets] if verify else None
     chosen = _choose(model, kind, [o for o in options if o[0] in probed], probe_ctx, max_seq_len, mixers) if probed else {}
