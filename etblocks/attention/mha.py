@@ -16,6 +16,8 @@ from etblocks.state.kv import KVCache
 from etblocks.state.mixer import call_with_state
 
 QKNormLayout = Literal["head", "full", "heads_first"]
+GateActivation = Literal["sigmoid", "softplus"]
+GATE_ACTIVATIONS = {"sigmoid": torch.sigmoid, "softplus": torch.nn.functional.softplus}
 
 
 def check_sinks(sinks: torch.Tensor | None, n_heads: int, sdpa: SDPA) -> None:
@@ -46,7 +48,8 @@ class Attention(nn.Module):
     Projections are `q_proj`, `k_proj`, `v_proj` (or one fused `qkv_proj`, its rows `[q | k | v]` with
     `qkv_layout="blocks"` or `[q_h | k_h | v_h]` per head with `"heads"`) and `o_proj`. Optional `q_norm` /
     `k_norm` apply per head (`"head"`), over the whole projection (`"full"`) or on a `[B, H, T, D]` view
-    (`"heads_first"`), before rope or, per head, after it (`qk_norm_after_rope`: NanoChat). Optional `sinks [H]` are per-head sink logits (GPT-OSS): the block owns them, like its
+    (`"heads_first"`), before rope or, per head, after it (`qk_norm_after_rope`: NanoChat); an optional `o_norm` normalises the heads' output before `o_proj`
+    (BitNet's sub-norm). Optional `sinks [H]` are per-head sink logits (GPT-OSS): the block owns them, like its
     projections, so they keep the upstream key `<block>.sinks`, and hands them to its SDPA. `interleaved` says
     which dims rotary tables pair: `(i, i + R/2)` (rotate-half, False) or `(2i, 2i + 1)` (True); by default the
     layout of the block's own `rope`. Subclasses change one step by overriding `project_qkv`, `normalize_qk`,
@@ -73,6 +76,7 @@ class Attention(nn.Module):
         interleaved: bool | None = None,
         qkv_layout: str = "blocks",
         qk_norm_after_rope: bool = False,
+        o_norm: nn.Module | None = None,
     ) -> None:
         super().__init__()
         if n_heads % n_kv_heads:
@@ -88,7 +92,7 @@ class Attention(nn.Module):
             raise ValueError(f"qkv_layout={qkv_layout!r} with {n_kv_heads} of {n_heads} kv heads is not supported; accepted: 'blocks', or 'heads' without grouping")
         self.qkv_layout = qkv_layout
         self.q_proj, self.k_proj, self.v_proj, self.qkv_proj, self.o_proj = q_proj, k_proj, v_proj, qkv_proj, o_proj
-        self.q_norm, self.k_norm = q_norm, k_norm
+        self.q_norm, self.k_norm, self.o_norm = q_norm, k_norm, o_norm
         self.qk_norm_layout = qk_norm_layout
         self.qk_norm_after_rope = qk_norm_after_rope
         self.rope = rope
@@ -141,7 +145,11 @@ class Attention(nn.Module):
         if kv is not None:
             return call_with_state(self.kv_cache, kv, mask, lambda: self.forward(x, input_pos, position_embeddings))
         q, k, v = self.project_qkv(x)
-        return self.o_proj(self.attend_heads(q, k, v, input_pos, position_embeddings, mask))
+        return self.project_out(self.attend_heads(q, k, v, input_pos, position_embeddings, mask))
+
+    def project_out(self, heads: torch.Tensor) -> torch.Tensor:
+        """The heads' output `[B, T, H*Dh]` -> `[B, T, D]`: `o_norm` (if any), then `o_proj`."""
+        return self.o_proj(heads if self.o_norm is None else self.o_norm(heads))
 
     def attend_heads(self, q, k, v, input_pos, position_embeddings=None, mask=None) -> torch.Tensor:
         """Flat projections `q [B, T, H*Dh]`, `k, v [B, T, Hkv*Dh]` -> the heads' outputs `[B, T, H*Dh]`: norms,
@@ -168,19 +176,29 @@ class Attention(nn.Module):
 
 
 class GatedAttention(Attention):
-    """Attention with a sigmoid output gate, `y = o_proj(heads * sigmoid(gate))`: from `q_proj`, which gives each
-    head's query and gate side by side (`[q_h | gate_h]`, 2 * Dh rows per head: Qwen3-Next, Qwen3.5), or from its
-    own `gate_proj` (`[B, T, D] -> [B, T, H*Dh]`: AFMoE). Separate q/k/v projections only; everything else as in
-    `Attention`."""
+    """Attention with an output gate, `y = o_proj(heads * act(gate))`: from `q_proj`, which gives each head's
+    query and gate side by side (`[q_h | gate_h]`, 2 * Dh rows per head: Qwen3-Next, Qwen3.5), or from its own
+    `gate_proj` (`[B, T, D] -> [B, T, H*Dh]`: AFMoE; `[B, T, H]`, one gate per head, with `gate_per_head`: LFM3,
+    Laguna). `gate_activation` is "sigmoid" or "softplus" (Laguna). Separate q/k/v projections only; everything
+    else as in `Attention`."""
 
-    def __init__(self, *args, gate_proj: nn.Module | None = None, **kwargs) -> None:
+    def __init__(
+        self, *args, gate_proj: nn.Module | None = None, gate_per_head: bool = False,
+        gate_activation: GateActivation = "sigmoid", **kwargs,
+    ) -> None:
         super().__init__(*args, **kwargs)
         if self.qkv_proj is not None:
             raise ValueError("GatedAttention takes separate q_proj (queries and gates), k_proj and v_proj, not a fused qkv_proj")
+        if gate_activation not in GATE_ACTIVATIONS:
+            raise ValueError(f"gate_activation={gate_activation!r} is not supported; accepted: {sorted(GATE_ACTIVATIONS)}")
+        if gate_per_head and gate_proj is None:
+            raise ValueError("gate_per_head=True needs a gate_proj giving one gate per head")
         self.gate_proj = gate_proj
+        self.gate_per_head = gate_per_head
+        self.gate_activation = gate_activation
 
     def query_and_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`x [B, T, D]` -> flat `q, gate [B, T, H*Dh]`."""
+        """`x [B, T, D]` -> flat `q [B, T, H*Dh]` and the gate's logits (`[B, T, H*Dh]`, or `[B, T, H]` per head)."""
         if self.gate_proj is not None:
             return self.q_proj(x), self.gate_proj(x)
         bsz, width = x.shape[0], self.n_heads * self.head_dim
@@ -192,4 +210,9 @@ class GatedAttention(Attention):
             return super().forward(x, input_pos, position_embeddings, kv, mask)
         q, gate = self.query_and_gate(x)
         y = self.attend_heads(q, self.k_proj(x), self.v_proj(x), input_pos, position_embeddings, mask)
-        return self.o_proj(y * torch.sigmoid(gate))
+        gate = GATE_ACTIVATIONS[self.gate_activation](gate)
+        if self.gate_per_head:
+            bsz = x.shape[0]
+            gated = y.view(bsz, -1, self.n_heads, self.head_dim) * gate.unsqueeze(-1)
+            return self.project_out(gated.view(bsz, -1, self.n_heads * self.head_dim))
+        return self.project_out(y * gate)

@@ -15,7 +15,7 @@ from torch import nn
 
 from etblocks.attention.conv import Conv2dLinear
 from etblocks.attention.masks import additive_mask
-from etblocks.attention.mha import Attention, GatedAttention, check_rope, check_sinks
+from etblocks.attention.mha import GATE_ACTIVATIONS, Attention, GateActivation, GatedAttention, check_rope, check_sinks
 from etblocks.attention.rope import RotaryEmbedding, rotate_half, rotate_pairs
 from etblocks.attention.sdpa import SDPA, softmax_with_sinks
 from etblocks.state.io import IOKVCache
@@ -88,8 +88,10 @@ class SingleHeadAttention(nn.Module):
     `q_heads`, `k_heads`, `v_heads` map `[B, T, D] -> [B, T, Dh]`; `o_proj` maps the concatenated heads
     `[B, T, H*Dh] -> [B, T, D]`. `q_norm` / `k_norm` are shared by all heads. Scale and softcap come from
     `sdpa`; optional `sinks [H]` give head h the sink logit `sinks[h]`. Subclasses change one step by
-    overriding `project_head`, `rotate_head` or `attend_head`. Optional `gate_heads` (`[B, T, D] -> [B, T, Dh]`)
-    gate each head's output by `sigmoid(gate_heads[h](x))` (the output gate of `GatedAttention`).
+    overriding `project_head`, `rotate_head` or `attend_head`. Optional `gate_heads` (`[B, T, D] -> [B, T, Dh]`,
+    or `[B, T, 1]` for one gate per head) gate each head's output by `act(gate_heads[h](x))` (the output gate of
+    `GatedAttention`, `act` its `gate_activation`). An optional
+    `o_norm` normalises the concatenated heads before `o_proj`, as `Attention`'s does.
 
     `projection_parts[name]` says where projection `name` of the attention the heads were split from went, as
     `ProjectionPart(submodule, rows)` per head, so what is keyed by the original projection (LoRA adapters)
@@ -115,6 +117,8 @@ class SingleHeadAttention(nn.Module):
         projection_parts: Mapping[str, list[ProjectionPart]] | None = None,
         gate_heads: Sequence[nn.Module] | None = None,
         interleaved: bool | None = None,
+        o_norm: nn.Module | None = None,
+        gate_activation: GateActivation = "sigmoid",
     ) -> None:
         super().__init__()
         if n_heads % n_kv_heads:
@@ -139,11 +143,12 @@ class SingleHeadAttention(nn.Module):
         self.o_proj = o_proj
         self.rope = rope
         self.interleaved = rope is not None and rope.interleaved if interleaved is None else interleaved
-        self.q_norm, self.k_norm = q_norm, k_norm
+        self.q_norm, self.k_norm, self.o_norm = q_norm, k_norm, o_norm
         self.register_parameter("sinks", sinks)
         if gate_heads is not None and len(gate_heads) != n_heads:
             raise ValueError(f"need {n_heads} gate_heads; got {len(gate_heads)}")
         self.gate_heads = None if gate_heads is None else nn.ModuleList(gate_heads)
+        self.gate_activation = gate_activation
         if projection_parts is None:
             projection_parts = {
                 "q_proj": head_parts("q_heads", 0, n_heads, head_dim),
@@ -175,9 +180,10 @@ class SingleHeadAttention(nn.Module):
             starts = (0, 0, 0, dh if packed else 0)
         else:  # rows [q | k | v] of the fused projection
             names, starts = ("qkv_proj",) * 3, (0, heads * dh, (heads + kv_heads) * dh)
+        sizes = (dh, dh, dh, 1 if gated and attn.gate_per_head else dh)  # rows per head of each projection
         views, projection_parts = [], {}
-        for field, n, name, start, stride in zip(fields, counts, names, starts, strides):
-            parts = head_parts(field, start, n, dh, stride)
+        for field, n, name, start, stride, size in zip(fields, counts, names, starts, strides, sizes):
+            parts = head_parts(field, start, n, size, stride if size == dh else size)
             views.append(_head_views(_as_linear(getattr(attn, name), name), parts, conv2d))
             projection_parts.setdefault(name, []).extend(parts)
         q_heads, k_heads, v_heads = views[:3]
@@ -185,7 +191,8 @@ class SingleHeadAttention(nn.Module):
         return cls(
             heads, kv_heads, dh, attn.sdpa, attn.kv_cache, q_heads, k_heads, v_heads, o_proj,
             rope=attn.rope, q_norm=attn.q_norm, k_norm=attn.k_norm, sinks=attn.sinks, projection_parts=projection_parts,
-            gate_heads=views[3] if gated else None, interleaved=attn.interleaved,
+            gate_heads=views[3] if gated else None, interleaved=attn.interleaved, o_norm=attn.o_norm,
+            gate_activation=attn.gate_activation if gated else "sigmoid",
         )
 
     def project_head(self, proj: nn.Module, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
@@ -258,8 +265,9 @@ class SingleHeadAttention(nn.Module):
             # workaround(executorch 1.5.1): a `[1]` slice, not a 0-d `sinks[h]`: QNN's export passes break on the
             # expanded 0-d constant.
             head = self.attend_head(*args) if self.sinks is None else self.attend_head(*args, self.sinks[h : h + 1])
-            heads.append(head if self.gate_heads is None else head * torch.sigmoid(self.gate_heads[h](x)))
-        y = self.o_proj(torch.cat(heads, dim=-1))
+            heads.append(head if self.gate_heads is None else head * GATE_ACTIVATIONS[self.gate_activation](self.gate_heads[h](x)))
+        y = torch.cat(heads, dim=-1)
+        y = self.o_proj(y if self.o_norm is None else self.o_norm(y))
         if caches is not None:
             self.kv_cache.emit(torch.stack(k_new, dim=2), torch.stack(v_new, dim=2))
         return y

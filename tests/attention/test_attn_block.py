@@ -25,7 +25,7 @@ from transformers.models.phi3.modeling_phi3 import Phi3Attention, Phi3RotaryEmbe
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3RMSNorm, Qwen3RotaryEmbedding
 from transformers.models.stablelm.modeling_stablelm import StableLmAttention, StableLmRotaryEmbedding
 
-from etblocks.attention import Attention, CustomSDPA, DynamicSDPA, RotaryEmbedding, default_inv_freq
+from etblocks.attention import Attention, CustomSDPA, DynamicSDPA, GatedAttention, RotaryEmbedding, default_inv_freq
 from etblocks.state import StaticKVCache
 
 ATOL = 1e-5
@@ -227,3 +227,7 @@ def test_constructor_rejects_bad_configurations():
         Attention(2, 2, 4, DynamicSDPA(1.0), None, lin, lin, lin, lin, qkv_proj=lin)
     with pytest.raises(ValueError, match="fused"):
         Attention(2, 2, 4, DynamicSDPA(1.0), None, None, None, None, lin)
+    with pytest.raises(ValueError, match="gate_activation='tanh'.*accepted"):
+        GatedAttention(2, 2, 4, DynamicSDPA(1.0), None, lin, lin, lin, lin, gate_proj=lin, gate_activation="tanh")
+    with pytest.raises(ValueError, match="gate_per_head=True needs a gate_proj"):
+        GatedAttention(2, 2, 4, DynamicSDPA(1.0), None, lin, lin, lin, lin, gate_per_head=True)

@@ -33,6 +33,10 @@ EXPORTED = {
     "aria_text": "generic experts stored transposed",
     "nanochat": "rope rotated the other way, weightless q/k norms",
     "afmoe": "a sigmoid output gate from its own projection, generic experts",
+    "bitnet": "a norm of the heads' output before the output projection",
+    "kolibri1": "a window stored on every layer but used where `is_sliding`; NoPE full layers",
+    "lfm3": "one sigmoid output gate per head from `g_proj`",
+    "laguna": "a softplus output gate",
 }
 
 
@@ -60,6 +64,25 @@ def test_static_programs_of_generic_paths_are_token_exact(model_type, tmp_path):
     """OpenVINO's static program: dense generic experts from the router's top-k; fused per-head qkv."""
     expected, actual = _exported_tokens(model_type, "openvino", tmp_path)
     assert actual == expected
+
+
+# model type -> (what the qnn recipe's per-head split must keep, a check of the split attention)
+SINGLE_HEAD = {
+    "bitnet": ("the output norm on the concatenated heads", lambda attn: attn.o_norm is not None),
+    "lfm3": ("one sigmoid gate per head", lambda attn: attn.gate_heads[0].weight.shape[0] == 1),
+    "laguna": ("a softplus gate", lambda attn: attn.gate_activation == "softplus"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", sorted(SINGLE_HEAD))
+def test_single_head_split_keeps_what_the_upstream_attention_does(model_type):
+    """The qnn recipe splits attention per head; the probe (`swap`'s check against the upstream module on prefill
+    and decode calls) accepts the split only if it computes what upstream does."""
+    model = etblocks.swap(tiny_matrix_model(model_type), backend="qnn", max_seq_len=64, chunk=8)
+    split = [m for m in model.modules() if type(m).__name__ == "HFSingleHeadAttention"]
+    what, check = SINGLE_HEAD[model_type]
+    assert split and all(check(attn) for attn in split), what
 
 
 def test_support_page_is_what_the_results_give():

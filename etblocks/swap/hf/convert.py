@@ -25,7 +25,9 @@ class HFAttentionLayout:
     sinks_attr: the per-head sink logits `[H]` (GPT-OSS), kept by the block under the same name.
     rope_tables: how the model lays out the `(cos, sin)` it passes and which dims they pair (see `HFCall`).
     output_gate: `q_proj` gives each head's query and a sigmoid gate on its output (`GatedAttention`: Qwen3.5).
-    gate_proj: the name of a projection giving that gate instead (AFMoE).
+    gate_proj: the name of a projection giving that gate instead (AFMoE), per channel or per head (LFM3).
+    gate_activation: the gate's activation, "sigmoid" or "softplus" (Laguna).
+    o_norm: the name of a norm over the heads' output before the output projection (BitNet's `attn_sub_norm`).
     """
 
     qkv: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
@@ -41,6 +43,8 @@ class HFAttentionLayout:
     qk_norm_after_rope: bool = False
     output_gate: bool = False
     gate_proj: str | None = None
+    gate_activation: str = "sigmoid"
+    o_norm: str | None = None
 
 
 def head_dim_of(module: nn.Module) -> int | None:
@@ -54,8 +58,12 @@ def out_features(projection: nn.Module) -> int:
 
 
 def sliding_window_of(module: nn.Module, layout: HFAttentionLayout) -> int | None:
+    """The layer's window; families that store it on every layer mark the layers that use it `is_sliding`
+    (EXAONE 4, Kolibri, Gemma 3)."""
+    if getattr(module, "is_sliding", True) is False:
+        return None
     if layout.window_in_config:
-        return getattr(module.config, "sliding_window", None)
+        return getattr(getattr(module, "config", None), "sliding_window", None)
     return getattr(module, "sliding_window", None)
 
 
@@ -86,7 +94,10 @@ def attention_from_layout(
         module.scaling, softcap, window, sinks is not None, n_kv_heads, head_dim, weight.dtype, ctx
     )
     gated = layout.output_gate or layout.gate_proj is not None
-    gate = dict(gate_proj=getattr(module, layout.gate_proj)) if layout.gate_proj else {}
+    gate = {}
+    if layout.gate_proj:
+        gate_proj = getattr(module, layout.gate_proj)
+        gate = dict(gate_proj=gate_proj, gate_per_head=out_features(gate_proj) == n_heads, gate_activation=layout.gate_activation)
     block = (HFGatedAttention if gated else HFAttention)(
         **gate,
         n_heads=n_heads,
@@ -106,6 +117,7 @@ def attention_from_layout(
         interleaved=layout.rope_tables in ("pairs", "halves_as_pairs"),
         qkv_layout=layout.qkv_layout,
         qk_norm_after_rope=layout.qk_norm_after_rope,
+        o_norm=getattr(module, layout.o_norm) if layout.o_norm else None,
     )
     if ctx.recipe.attention == "sha":
         block = HFSingleHeadAttention.from_attention(block, conv2d=ctx.recipe.linear == "conv2d")

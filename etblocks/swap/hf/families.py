@@ -59,7 +59,7 @@ STABLELM_QK_NORM = HFAttentionLayout(qk_norm="heads_first", q_norm="q_layernorm"
 
 def _exaone4(module: nn.Module, ctx: SwapContext) -> nn.Module:
     """EXAONE 4 stores the window on every layer but uses it, and rope, only on sliding layers (when it has any)."""
-    block = attention_from_layout(module, HEAD_NORM, ctx, sliding_window=module.sliding_window if module.is_sliding else None)
+    block = attention_from_layout(module, HEAD_NORM, ctx)
     block.use_rope = module.sliding_window is None or module.is_sliding
     return block
 
