@@ -41,3 +41,32 @@ def test_matrix_covers_every_causal_lm_architecture_once():
 
     assert not set(MATRIX) & set(NOT_BUILDABLE)
     assert set(MATRIX) | set(NOT_BUILDABLE) == set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["gather", "dense"])
+def test_generic_experts_of_every_matrix_family_match_upstream(strategy):
+    """Every generic experts module of the matrix that etblocks converts computes what upstream does, called as its
+    router calls it, in both strategies: also in families `swap` refuses for another module (their attention or a
+    state layer), so the experts are never why a family is refused."""
+    from etblocks.swap.hf.moe import convert_generic_experts, generic_experts_layout, is_generic_experts
+    from etblocks.swap.recipes import resolve_recipe
+    from etblocks.swap.registry import SwapContext
+
+    ctx = SwapContext(recipe=resolve_recipe("xnnpack", moe=strategy), max_seq_len=64)
+    checked = []
+    for model_type in sorted(MATRIX):
+        experts = next((m for m in tiny_matrix_model(model_type).modules() if is_generic_experts(m)), None)
+        if experts is None or generic_experts_layout(experts) is None:
+            continue
+        torch.manual_seed(0)
+        x = torch.randn(5, experts.config.hidden_size)
+        n_experts = experts.gate_up_proj.shape[0]
+        weights, index = torch.randn(5, n_experts).softmax(-1).topk(min(2, n_experts))
+        with torch.no_grad():
+            expected = experts(x, index, weights)
+            actual = convert_generic_experts(experts, ctx)(x, index, weights)
+        error = (actual - expected).abs().max().item()
+        assert error <= 1e-5 * max(1.0, expected.abs().max().item()), f"{model_type}: max abs error {error:.3g}"
+        checked.append(model_type)
+    assert len(checked) >= 55, checked  # 59 families in transformers 5.24
