@@ -131,6 +131,21 @@ HYBRID_FAMILIES: dict[str, tuple[str, dict]] = {
 }
 FAMILIES.update(HYBRID_FAMILIES)
 
+# KV sharing: four layers, sliding then full, twice; layers 2-3 reuse the keys and values of layers 0-1 (the last
+# of their kind that stores them). Per-layer input embeddings on. Gemma 4: full layers with a wider head whose keys
+# are also its values (K=V), and a variant with its MoE block beside the MLP (router with per-expert scales).
+KV_SHARING = dict(
+    num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=WINDOW,
+    num_kv_shared_layers=2, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, tie_word_embeddings=False,
+)
+GEMMA4 = dict(**KV_SHARING, global_head_dim=32, attention_k_eq_v=True)
+KV_SHARED_FAMILIES: dict[str, tuple[str, dict]] = {
+    "gemma3n_text": ("gemma3n_text", dict(**KV_SHARING, initializer_range=1.0)),
+    "gemma4_text": ("gemma4_text", GEMMA4),
+    "gemma4_text_moe": ("gemma4_text", dict(**GEMMA4, enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32)),
+}
+FAMILIES.update(KV_SHARED_FAMILIES)
+
 # QNN readiness (QnnQuantizer calibration, then QNN's own pass pipeline) costs ~0.35 s per graph node on CI's
 # machines, and the qnn recipe's single-head attention makes a set of nodes per query head, so the readiness tests
 # use 2 query heads over 1 KV head (still grouped): llama's check took 165 s with BASE, 56 s with this and 1 layer.

@@ -120,3 +120,19 @@ def test_token_check_and_its_break_switch(monkeypatch):
     checks = harness.Checks()
     checks.add(broken)
     assert not checks.ok and "(a) vs eager: first differing index 0" in checks.report()
+
+
+def test_kv_sharing_report_counts_the_caches_of_each_program(tmp_path):
+    """The memory report (no outputs to compare): its smoke run writes, per E2B-shaped decoder and program, one K/V
+    pair per source layer (Gemma 3n E2B: 20 of 30 layers, Gemma 4 E2B: 15 of 35) against one per layer."""
+    out = tmp_path / "kv_sharing.json"
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "kv_sharing.py"), "--smoke", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    entry = json.loads(out.read_text())["runs"]["smoke"]
+    figures = entry["figures"]
+    assert len(figures) == 4
+    for name, figure in figures.items():
+        sources, layers = (20, 30) if name.startswith("gemma3n") else (15, 35)
+        assert figure["tensors"] == [2 * sources, 2 * layers], name
+        assert figure["shared_bytes"] < figure["per_layer_bytes"], name

@@ -1,4 +1,5 @@
-"""Attention blocks: SDPA forms, rotary embeddings, masks, the MHA/GQA/MQA block and its single-head form."""
+"""Attention blocks: SDPA forms, rotary embeddings, masks, the MHA/GQA/MQA block, its single-head form and
+its KV-shared form."""
 
 from etblocks.attention.conv import Conv2dLinear
 from etblocks.attention.masks import additive_mask, allowed_keys
@@ -15,11 +16,13 @@ from etblocks.attention.sdpa import (
     softmax_with_sinks,
 )
 from etblocks.attention.sha import SingleHeadAttention, apply_rotary_3d
+from etblocks.attention.shared import KVSharedAttention
 
 __all__ = [
     "Attention",
     "GatedAttention",
     "SingleHeadAttention",
+    "KVSharedAttention",
     "Conv2dLinear",
     "SDPA",
     "CustomSDPA",

@@ -11,6 +11,7 @@ from torch import nn
 
 from etblocks.attention.rope import RotaryEmbedding, apply_rotary, rotation_matrix
 from etblocks.attention.sdpa import SDPA
+from etblocks.state.shared import KVShare
 from etblocks.state.io import IOKVCache
 from etblocks.state.kv import KVCache
 from etblocks.state.mixer import call_with_state
@@ -49,7 +50,10 @@ class Attention(nn.Module):
     `qkv_layout="blocks"` or `[q_h | k_h | v_h]` per head with `"heads"`) and `o_proj`. Optional `q_norm` /
     `k_norm` apply per head (`"head"`), over the whole projection (`"full"`) or on a `[B, H, T, D]` view
     (`"heads_first"`), before rope or, per head, after it (`qk_norm_after_rope`: NanoChat); an optional `o_norm` normalises the heads' output before `o_proj`
-    (BitNet's sub-norm). Optional `sinks [H]` are per-head sink logits (GPT-OSS): the block owns them, like its
+    (BitNet's sub-norm); an optional `v_norm` normalises each value head before the cache (Gemma 3n, Gemma 4), and
+    `values_from_keys` takes the values from the key projection before its norm and rope (Gemma 4's K=V layers).
+    `kv_share`, when set, publishes what the block attends over in each call for the blocks that share its keys
+    and values (`etblocks.attention.shared`). Optional `sinks [H]` are per-head sink logits (GPT-OSS): the block owns them, like its
     projections, so they keep the upstream key `<block>.sinks`, and hands them to its SDPA. `interleaved` says
     which dims rotary tables pair: `(i, i + R/2)` (rotate-half, False) or `(2i, 2i + 1)` (True); by default the
     layout of the block's own `rope`. Subclasses change one step by overriding `project_qkv`, `normalize_qk`,
@@ -77,6 +81,8 @@ class Attention(nn.Module):
         qkv_layout: str = "blocks",
         qk_norm_after_rope: bool = False,
         o_norm: nn.Module | None = None,
+        v_norm: nn.Module | None = None,
+        values_from_keys: bool = False,
     ) -> None:
         super().__init__()
         if n_heads % n_kv_heads:
@@ -85,6 +91,9 @@ class Attention(nn.Module):
         check_rope(rope, head_dim)
         if (qkv_proj is None) == (q_proj is None):
             raise ValueError("give either q_proj, k_proj and v_proj, or one fused qkv_proj")
+        if values_from_keys and (v_proj is not None or qkv_proj is not None):
+            raise ValueError("values_from_keys=True takes the values from k_proj: give no v_proj and no fused qkv_proj")
+        self.values_from_keys = values_from_keys
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
@@ -92,7 +101,7 @@ class Attention(nn.Module):
             raise ValueError(f"qkv_layout={qkv_layout!r} with {n_kv_heads} of {n_heads} kv heads is not supported; accepted: 'blocks', or 'heads' without grouping")
         self.qkv_layout = qkv_layout
         self.q_proj, self.k_proj, self.v_proj, self.qkv_proj, self.o_proj = q_proj, k_proj, v_proj, qkv_proj, o_proj
-        self.q_norm, self.k_norm, self.o_norm = q_norm, k_norm, o_norm
+        self.q_norm, self.k_norm, self.v_norm, self.o_norm = q_norm, k_norm, v_norm, o_norm
         self.qk_norm_layout = qk_norm_layout
         self.qk_norm_after_rope = qk_norm_after_rope
         self.rope = rope
@@ -101,11 +110,13 @@ class Attention(nn.Module):
         self.sdpa = sdpa
         self.kv_cache = kv_cache
         self.register_parameter("sinks", sinks)
+        self.kv_share: KVShare | None = None
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`x [B, T, D]` -> flat `q [B, T, H*Dh]`, `k, v [B, T, Hkv*Dh]`."""
         if self.qkv_proj is None:
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            k = self.k_proj(x)
+            return self.q_proj(x), k, k if self.values_from_keys else self.v_proj(x)
         qkv = self.qkv_proj(x)
         if self.qkv_layout == "heads":  # [q_h | k_h | v_h] per head (GPT-NeoX)
             bsz, dh, width = x.shape[0], self.head_dim, self.n_heads * self.head_dim
@@ -126,17 +137,17 @@ class Attention(nn.Module):
         return self.q_norm(q), self.k_norm(k)
 
     def rotate(
-        self, q: torch.Tensor, k: torch.Tensor, input_pos: torch.Tensor, position_embeddings=None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, q: torch.Tensor, k: torch.Tensor | None, input_pos: torch.Tensor, position_embeddings=None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rotary embeddings from the given `(cos, sin)` or from this block's own `rope` (whose layout `rotation`
-        follows); none if neither."""
+        follows); none if neither. `k` may be None (a block that reads shared keys rotates only its queries)."""
         if position_embeddings is None:
             if self.rope is None:
                 return q, k
             position_embeddings = self.rope(input_pos)
         cos, sin = position_embeddings
         rotate = functools.partial(apply_rotary, cos=cos, sin=sin, rotation=self.rotation, interleaved=self.interleaved)
-        return rotate(q), rotate(k)
+        return rotate(q), None if k is None else rotate(k)
 
     def attend(self, q, k, v, q_pos, k_pos, mask=None) -> torch.Tensor:
         return self.sdpa(q, k, v, q_pos, k_pos, mask, sinks=self.sinks)
@@ -165,12 +176,16 @@ class Attention(nn.Module):
         q, k = self.rotate(q, k, input_pos, position_embeddings)
         if self.qk_norm_after_rope:
             q, k = self.normalize_qk(q, k, per_head=True)
+        if self.v_norm is not None:
+            v = self.v_norm(v)
 
         if self.kv_cache is None:
             k_all, v_all, k_pos = k, v, input_pos
         else:
             k_all, v_all, k_pos = self.kv_cache.update(input_pos, k, v)
             mask = self.kv_cache.mask if mask is None else mask
+        if self.kv_share is not None:
+            self.kv_share.publish(k_all, v_all, k_pos, mask)
         y = self.attend(q, k_all, v_all, input_pos, k_pos, mask)
         return y.reshape(bsz, -1, self.n_heads * self.head_dim)
 

@@ -166,6 +166,8 @@ class SingleHeadAttention(nn.Module):
                 f"qk_norm_layout={attn.qk_norm_layout!r} is not supported: SingleHeadAttention needs per-head "
                 "q/k norms (layout 'head') that apply to each [B, T, Dh] head"
             )
+        if attn.v_norm is not None or attn.kv_share is not None:
+            raise ValueError("value norms and keys and values shared with other layers are not supported by SingleHeadAttention yet")
         if attn.qk_norm_after_rope:
             raise ValueError("q/k norms after rope are not supported: SingleHeadAttention normalises each head as it projects it")
         if attn.qkv_proj is not None and attn.qkv_layout != "blocks":

@@ -20,11 +20,13 @@ from etblocks.state.spec import (
     apply_update,
     held_positions,
 )
+from etblocks.state.shared import KVShare
 from etblocks.state.static import StaticKVCache
 from etblocks.state.window import WindowState
 
 __all__ = [
     "State",
+    "KVShare",
     "StateSpec",
     "Mixer",
     "call_with_state",

@@ -234,7 +234,7 @@ def _choose(
         first_called = next((m for m in mixers or [] if id(m) in probe.calls), None)
         if first_called is not None and (reason := probe.position_mismatch(first_called)):
             raise UnsupportedModelError(reason)
-    chosen = {}
+    chosen, publishers = {}, {}  # publishers: id of a KVShare -> (upstream module, the block publishing into it)
     for name, module, makers, (block, failure) in first:
         if id(module) not in probe.calls:
             chosen[name] = None
@@ -244,9 +244,11 @@ def _choose(
             if index > 0:
                 block, failure = _try_make(make, module, ctx)
                 failures += [failure] if failure else []
-            reason = None if block is None else probe.mismatch(name, module, block)
+            reason = None if block is None else probe.mismatch(name, module, block, _sources(block, publishers, name))
             if block is not None and reason is None:
                 chosen[name] = (index, block)
+                if getattr(block, "kv_share", None) is not None:
+                    publishers[id(block.kv_share)] = (module, block)
                 break
             mismatches += [reason] if reason is not None else []
         else:
@@ -258,6 +260,16 @@ def _choose(
                 "verify=False at your own risk."
             )
     return chosen
+
+
+def _sources(block: nn.Module, publishers: dict, name: str) -> list[tuple[nn.Module, nn.Module]]:
+    """The `(upstream module, block)` whose keys and values `block` reads (a `KVSharedAttention`), for the probe."""
+    reads = getattr(block, "reads", None)
+    if reads is None:
+        return []
+    if id(reads) not in publishers:
+        raise UnsupportedModelError(f"{name} reads the keys and values of a layer that was not converted before it")
+    return [publishers[id(reads)]]
 
 
 def _try_make(make: Maker, module: nn.Module, ctx: SwapContext) -> tuple[nn.Module | None, str | None]:

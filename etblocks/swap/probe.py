@@ -84,9 +84,11 @@ class Probe:
         return list(zip([0] + stops[:-1], stops))
 
     @torch.no_grad()
-    def mismatch(self, name: str, original: nn.Module, new: nn.Module) -> str | None:
+    def mismatch(self, name: str, original: nn.Module, new: nn.Module, sources: list[tuple[nn.Module, nn.Module]] = ()) -> str | None:
         """Why `new` is not a replacement for `original` (None: it matches on every call). A replacement without
-        state is checked on the whole probe at once."""
+        state is checked on the whole probe at once. `sources` are `(original, replacement)` pairs of the blocks
+        whose state `new` reads (KV-shared attention reads an earlier layer's keys and values): each runs on its
+        own recorded inputs before `new` at every call, as the model would run it."""
         call = self.calls.get(id(original))
         if call is None:
             return f"{name} ({type(original).__name__}) was not called in a forward pass"
@@ -96,20 +98,16 @@ class Probe:
                 f"{name} ({type(original).__name__}) runs {call.count} times in one forward pass; the state of its "
                 "replacement holds one pass per position"
             )
-        kwargs = call.kwargs
-        if hasattr(new, "take_positions") and kwargs.get("position_ids") is None:  # upstream hands it none (`FedPositions`)
-            kwargs = {**kwargs, "position_ids": self.positions[None]}
+        driven = [(self.calls[id(source)], block, _CallerState(find_states(block))) for source, block in sources]
         caller = _CallerState(states)
         try:
-            for start, stop in self.steps() if states else [(0, self.length)]:
-                caller.bind(self.positions[start:stop], start)
-                args, step_kwargs = _cut((call.args, kwargs), self.length, start, stop)
+            for start, stop in self.steps() if states or driven else [(0, self.length)]:
                 try:
-                    actual = new(*args, **step_kwargs)
+                    for source_call, block, source_caller in driven:
+                        self._drive(source_call, block, source_caller, start, stop)
+                    actual = self._drive(call, new, caller, start, stop)
                 except Exception as exc:  # any failure of the replacement on real inputs means "cannot swap"
                     return f"{name} ({type(original).__name__}): the etblocks block failed on the probe input: {exc}"
-                actual = actual[0] if isinstance(actual, tuple) else actual
-                caller.take(start, stop - start)
                 expected = _cut(call.output, self.length, start, stop)
                 error = (actual - expected).abs().max().item()
                 tolerance = TOLERANCE * max(1.0, expected.abs().max().item())
@@ -121,9 +119,21 @@ class Probe:
                     )
             return None
         finally:
-            reset_states(new)
-            for state in states:
-                state.unbind()
+            for block, held in [(new, caller)] + [(block, source_caller) for _, block, source_caller in driven]:
+                reset_states(block)
+                for state in held.states:
+                    state.unbind()
+
+    def _drive(self, call: Call, new: nn.Module, caller: _CallerState, start: int, stop: int) -> torch.Tensor:
+        """Run `new` on rows `start:stop` of `call`'s inputs with its caller-owned state kept by `caller`."""
+        kwargs = call.kwargs
+        if hasattr(new, "take_positions") and kwargs.get("position_ids") is None:  # upstream hands it none (`FedPositions`)
+            kwargs = {**kwargs, "position_ids": self.positions[None]}
+        caller.bind(self.positions[start:stop], start)
+        args, step_kwargs = _cut((call.args, kwargs), self.length, start, stop)
+        actual = new(*args, **step_kwargs)
+        caller.take(start, stop - start)
+        return actual[0] if isinstance(actual, tuple) else actual
 
 
 def _hidden_states(call: Call) -> torch.Tensor:
@@ -185,7 +195,9 @@ def _record(model: nn.Module, kind: ModelKind, modules: list[nn.Module], tokens:
     was_training = model.training
     model.eval()
     try:
-        kind.logits(model, tokens, positions.unsqueeze(0), last_only=True)
+        # Every position's logits: models that skip rows only the last logits would need (Gemma 4 feeds its
+        # KV-shared layers the kept rows alone) show each module every row.
+        kind.logits(model, tokens, positions.unsqueeze(0), last_only=False)
     except Exception as exc:  # the untouched model itself: nothing to compare with
         raise UnsupportedModelError(f"{type(model).__name__} failed on a probe input of {tokens.shape[1]} tokens: {exc}") from exc
     finally:

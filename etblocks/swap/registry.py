@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from torch import nn
 
 from etblocks.state.mixer import Mixer
+from etblocks.state.shared import KVShare
 from etblocks.swap.recipes import Recipe
 
 
@@ -19,10 +20,18 @@ class SwapContext:
     recipe: Recipe
     max_seq_len: int
     max_batch_size: int = 1
+    # One `KVShare` per source of shared keys and values, by the key its converters agree on (a layer index): the
+    # source and the layers that read it get the same object, however often each is built. A copy made with
+    # `dataclasses.replace` keeps the same dict.
+    kv_shares: dict = field(default_factory=dict, compare=False)
 
     @property
     def caller_owned(self) -> bool:
         return self.recipe.caller_owned
+
+    def kv_share(self, key) -> KVShare:
+        """The `KVShare` of source `key`, made on first use."""
+        return self.kv_shares.setdefault(key, KVShare())
 
 
 Converter = Callable[[nn.Module, SwapContext], nn.Module]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import FALLBACK_FAMILIES, FAMILIES, HYBRID_FAMILIES, family_variant, hf_greedy, original_and_copy, prompt_ids, swapped_family
+from hf_models import FALLBACK_FAMILIES, FAMILIES, HYBRID_FAMILIES, KV_SHARED_FAMILIES, family_variant, hf_greedy, original_and_copy, prompt_ids, swapped_family
 
 import etblocks
 from etblocks.attention import CustomSDPA, DynamicSDPA
@@ -45,7 +45,10 @@ def test_structural_fallback_logits_match_upstream(name):
 # Families whose layers differ (sliding and full, NoPE, dense then MoE) export all their layers, the others one
 # (~40% less export time each): their converters are what tells them apart, and the layered ones cover the
 # loop over layers.
-LAYERED = ("qwen2", "gemma2", "gemma3_text", "smollm3", "exaone4", "deepseek_v2", "deepseek_v3", "gpt_oss", *HYBRID_FAMILIES)
+LAYERED = (
+    "qwen2", "gemma2", "gemma3_text", "smollm3", "exaone4", "deepseek_v2", "deepseek_v3", "gpt_oss", *HYBRID_FAMILIES,
+    *KV_SHARED_FAMILIES,
+)
 
 
 def export_family(name: str) -> dict:

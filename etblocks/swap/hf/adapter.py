@@ -6,6 +6,7 @@ import torch
 
 from etblocks.attention.mha import Attention, GatedAttention
 from etblocks.attention.sha import SingleHeadAttention
+from etblocks.attention.shared import KVSharedAttention
 from etblocks.mixers.gated_deltanet import GatedDeltaNet
 from etblocks.mixers.short_conv import ShortConv
 
@@ -86,6 +87,11 @@ class HFAttention(HFCall, Attention):
 
 class HFGatedAttention(HFCall, GatedAttention):
     """A `GatedAttention` block called the transformers way (Qwen3.5's full-attention layers)."""
+
+
+class HFKVSharedAttention(HFCall, KVSharedAttention):
+    """A `KVSharedAttention` block called the transformers way (Gemma 3n's layers that reuse keys and values;
+    transformers' `shared_kv_states` argument is ignored: the block reads its source's `KVShare`)."""
 
 
 class HFSingleHeadAttention(HFCall, SingleHeadAttention):

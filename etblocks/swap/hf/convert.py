@@ -27,6 +27,8 @@ class HFAttentionLayout:
     output_gate: `q_proj` gives each head's query and a sigmoid gate on its output (`GatedAttention`: Qwen3.5).
     gate_proj: the name of a projection giving that gate instead (AFMoE), per channel or per head (LFM3).
     gate_activation: the gate's activation, "sigmoid" or "softplus" (Laguna).
+    v_norm: the name of a norm on each value head, before the cache (Gemma 3n).
+    values_from_keys: the module has no value projection; its values are the key projection's output (Gemma 4).
     o_norm: the name of a norm over the heads' output before the output projection (BitNet's `attn_sub_norm`).
     """
 
@@ -45,6 +47,8 @@ class HFAttentionLayout:
     gate_proj: str | None = None
     gate_activation: str = "sigmoid"
     o_norm: str | None = None
+    v_norm: str | None = None
+    values_from_keys: bool = False
 
 
 def head_dim_of(module: nn.Module) -> int | None:
@@ -84,6 +88,7 @@ def attention_from_layout(
     else:
         qkv_proj = None
         q_proj, k_proj, v_proj = (getattr(module, name) for name in layout.qkv)
+        v_proj = None if layout.values_from_keys else v_proj
         n_heads = out_features(q_proj) // (2 * head_dim if layout.output_gate else head_dim)
         n_kv_heads = out_features(k_proj) // head_dim
     window = sliding_window_of(module, layout) if sliding_window is ... else sliding_window
@@ -118,6 +123,8 @@ def attention_from_layout(
         qkv_layout=layout.qkv_layout,
         qk_norm_after_rope=layout.qk_norm_after_rope,
         o_norm=getattr(module, layout.o_norm) if layout.o_norm else None,
+        v_norm=getattr(module, layout.v_norm) if layout.v_norm else None,
+        values_from_keys=layout.values_from_keys,
     )
     if ctx.recipe.attention == "sha":
         block = HFSingleHeadAttention.from_attention(block, conv2d=ctx.recipe.linear == "conv2d")

@@ -12,6 +12,7 @@ from torch import nn
 from etblocks.swap.hf import upstream_class
 from etblocks.swap.hf.convert import HFAttentionLayout, attention_from_layout
 from etblocks.swap.hf.deepseek import register_mla_families
+from etblocks.swap.hf.kv_shared import VALUE_NORM, kv_shared_attention
 from etblocks.swap.hf.hybrid import gated_deltanet, short_conv, text_rotary
 from etblocks.swap.hf.moe import register_moe_families
 from etblocks.swap.registry import MIXERS, MODULES, SwapContext
@@ -34,6 +35,9 @@ FAMILIES: dict[str, tuple[str, HFAttentionLayout]] = {
     "granite": ("GraniteAttention", STANDARD),
     "stablelm": ("StableLmAttention", STANDARD),
     "exaone4": ("Exaone4Attention", HEAD_NORM),
+    # Value norms; layers that reuse an earlier layer's keys and values (`kv_shared.py`).
+    "gemma3n": ("Gemma3nTextAttention", VALUE_NORM),
+    "gemma4": ("Gemma4TextAttention", VALUE_NORM),
     # Sinks, biases, per-layer `sliding_window` (None on full layers), half-width rope tables.
     "gpt_oss": ("GptOssAttention", HFAttentionLayout(sinks_attr="sinks", rope_tables="half_width")),
     "mixtral": ("MixtralAttention", HFAttentionLayout(window_in_config=True)),
@@ -74,7 +78,7 @@ def _olmoe(module: nn.Module, ctx: SwapContext) -> nn.Module:
     return attention_from_layout(module, FAMILIES["olmoe"][1], ctx)
 
 
-SPECIAL_CONVERTERS = {"exaone4": _exaone4, "stablelm": _stablelm, "olmoe": _olmoe}
+SPECIAL_CONVERTERS = {"gemma3n": kv_shared_attention, "gemma4": kv_shared_attention, "exaone4": _exaone4, "stablelm": _stablelm, "olmoe": _olmoe}
 
 
 def _converter(layout: HFAttentionLayout):
