@@ -11,10 +11,10 @@ from torch import nn
 
 from etblocks.attention.rope import RotaryEmbedding, apply_rotary, rotation_matrix
 from etblocks.attention.sdpa import SDPA
-from etblocks.state.shared import KVShare
 from etblocks.state.io import IOKVCache
 from etblocks.state.kv import KVCache
 from etblocks.state.mixer import call_with_state
+from etblocks.state.shared import KVShare
 
 QKNormLayout = Literal["head", "full", "heads_first"]
 GateActivation = Literal["sigmoid", "softplus"]
@@ -49,11 +49,12 @@ class Attention(nn.Module):
     Projections are `q_proj`, `k_proj`, `v_proj` (or one fused `qkv_proj`, its rows `[q | k | v]` with
     `qkv_layout="blocks"` or `[q_h | k_h | v_h]` per head with `"heads"`) and `o_proj`. Optional `q_norm` /
     `k_norm` apply per head (`"head"`), over the whole projection (`"full"`) or on a `[B, H, T, D]` view
-    (`"heads_first"`), before rope or, per head, after it (`qk_norm_after_rope`: NanoChat); an optional `o_norm` normalises the heads' output before `o_proj`
-    (BitNet's sub-norm); an optional `v_norm` normalises each value head before the cache (Gemma 3n, Gemma 4), and
-    `values_from_keys` takes the values from the key projection before its norm and rope (Gemma 4's K=V layers).
-    `kv_share`, when set, publishes what the block attends over in each call for the blocks that share its keys
-    and values (`etblocks.attention.shared`). Optional `sinks [H]` are per-head sink logits (GPT-OSS): the block owns them, like its
+    (`"heads_first"`), before rope or, per head, after it (`qk_norm_after_rope`: NanoChat). An optional `o_norm`
+    normalises the heads' output before `o_proj` (BitNet's sub-norm), an optional `v_norm` each value head before
+    the cache (Gemma 3n, Gemma 4); `values_from_keys` takes the values from the key projection, before its norm
+    and rope (Gemma 4's K=V layers). `kv_share`, when set, publishes what the block attends over in each call for
+    the blocks that share its keys and values (`KVSharedAttention`). Optional `sinks [H]` are per-head sink
+    logits (GPT-OSS): the block owns them, like its
     projections, so they keep the upstream key `<block>.sinks`, and hands them to its SDPA. `interleaved` says
     which dims rotary tables pair: `(i, i + R/2)` (rotate-half, False) or `(2i, 2i + 1)` (True); by default the
     layout of the block's own `rope`. Subclasses change one step by overriding `project_qkv`, `normalize_qk`,

@@ -20,6 +20,7 @@ from etblocks.attention.rope import RotaryEmbedding, rotate_half, rotate_pairs
 from etblocks.attention.sdpa import SDPA, softmax_with_sinks
 from etblocks.state.io import IOKVCache
 from etblocks.state.mixer import call_with_state
+from etblocks.state.shared import KVShare
 
 RotaryTables = tuple[torch.Tensor, torch.Tensor]
 
@@ -90,8 +91,10 @@ class SingleHeadAttention(nn.Module):
     `sdpa`; optional `sinks [H]` give head h the sink logit `sinks[h]`. Subclasses change one step by
     overriding `project_head`, `rotate_head` or `attend_head`. Optional `gate_heads` (`[B, T, D] -> [B, T, Dh]`,
     or `[B, T, 1]` for one gate per head) gate each head's output by `act(gate_heads[h](x))` (the output gate of
-    `GatedAttention`, `act` its `gate_activation`). An optional
-    `o_norm` normalises the concatenated heads before `o_proj`, as `Attention`'s does.
+    `GatedAttention`, `act` its `gate_activation`). An optional `o_norm` normalises the concatenated heads
+    before `o_proj`, as `Attention`'s does; `v_norm` and `values_from_keys` act as `Attention`'s do. `kv_share`
+    publishes the per-head keys and values (lists) and the mask of each call; a block given `reads` has no k/v heads
+    and no cache and attends over what that share holds (`KVSharedAttention`'s per-head form).
 
     `projection_parts[name]` says where projection `name` of the attention the heads were split from went, as
     `ProjectionPart(submodule, rows)` per head, so what is keyed by the original projection (LoRA adapters)
@@ -119,17 +122,24 @@ class SingleHeadAttention(nn.Module):
         interleaved: bool | None = None,
         o_norm: nn.Module | None = None,
         gate_activation: GateActivation = "sigmoid",
+        v_norm: nn.Module | None = None,
+        values_from_keys: bool = False,
+        reads: KVShare | None = None,
     ) -> None:
         super().__init__()
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
         check_sinks(sinks, n_heads, sdpa)
         check_rope(rope, head_dim)
-        if (len(q_heads), len(k_heads), len(v_heads)) != (n_heads, n_kv_heads, n_kv_heads):
+        n_k = 0 if reads is not None else n_kv_heads
+        n_v = 0 if reads is not None or values_from_keys else n_kv_heads
+        if (len(q_heads), len(k_heads), len(v_heads)) != (n_heads, n_k, n_v):
             raise ValueError(
-                f"need {n_heads} q_heads and {n_kv_heads} k_heads and v_heads; "
-                f"got {len(q_heads)}, {len(k_heads)}, {len(v_heads)}"
+                f"need {n_heads} q_heads, {n_k} k_heads and {n_v} v_heads (none that another block's keys and values "
+                f"or the keys make); got {len(q_heads)}, {len(k_heads)}, {len(v_heads)}"
             )
+        if reads is not None and kv_cache is not None:
+            raise ValueError("a SingleHeadAttention that reads another block's keys and values holds no cache")
         if kv_cache is not None and not isinstance(kv_cache, IOKVCache):
             raise ValueError(f"SingleHeadAttention takes an IOKVCache or no cache; got {type(kv_cache).__name__}")
         self.n_heads = n_heads
@@ -143,7 +153,10 @@ class SingleHeadAttention(nn.Module):
         self.o_proj = o_proj
         self.rope = rope
         self.interleaved = rope is not None and rope.interleaved if interleaved is None else interleaved
-        self.q_norm, self.k_norm, self.o_norm = q_norm, k_norm, o_norm
+        self.q_norm, self.k_norm, self.v_norm, self.o_norm = q_norm, k_norm, v_norm, o_norm
+        self.values_from_keys = values_from_keys
+        self.reads = reads
+        self.kv_share: KVShare | None = None
         self.register_parameter("sinks", sinks)
         if gate_heads is not None and len(gate_heads) != n_heads:
             raise ValueError(f"need {n_heads} gate_heads; got {len(gate_heads)}")
@@ -160,14 +173,13 @@ class SingleHeadAttention(nn.Module):
     @classmethod
     def from_attention(cls, attn: Attention, conv2d: bool = False) -> SingleHeadAttention:
         """The same attention as `attn`, split per head. Head weights are views of `attn`'s (no copy); norms,
-        rope, SDPA, cache and sinks are `attn`'s own. `conv2d=True` makes every projection a `Conv2dLinear`."""
+        rope, SDPA, cache, sinks and the keys and values it shares or reads (`kv_share`, a `KVSharedAttention`'s
+        `reads`) are `attn`'s own. `conv2d=True` makes every projection a `Conv2dLinear`."""
         if (attn.q_norm is not None or attn.k_norm is not None) and attn.qk_norm_layout != "head":
             raise ValueError(
                 f"qk_norm_layout={attn.qk_norm_layout!r} is not supported: SingleHeadAttention needs per-head "
                 "q/k norms (layout 'head') that apply to each [B, T, Dh] head"
             )
-        if attn.v_norm is not None or attn.kv_share is not None:
-            raise ValueError("value norms and keys and values shared with other layers are not supported by SingleHeadAttention yet")
         if attn.qk_norm_after_rope:
             raise ValueError("q/k norms after rope are not supported: SingleHeadAttention normalises each head as it projects it")
         if attn.qkv_proj is not None and attn.qkv_layout != "blocks":
@@ -175,7 +187,9 @@ class SingleHeadAttention(nn.Module):
         heads, kv_heads, dh = attn.n_heads, attn.n_kv_heads, attn.head_dim
         gated = isinstance(attn, GatedAttention)
         packed = gated and attn.gate_proj is None  # a gated q_proj holds [q_h | gate_h] per head
-        fields = ("q_heads", "k_heads", "v_heads", "gate_heads")[: 4 if gated else 3]
+        reads = getattr(attn, "reads", None)  # a `KVSharedAttention`: queries only, over its source's keys and values
+        skipped = {"k_heads", "v_heads"} if reads is not None else {"v_heads"} if attn.values_from_keys else set()
+        fields = [f for f in ("q_heads", "k_heads", "v_heads", "gate_heads")[: 4 if gated else 3] if f not in skipped]
         counts, strides = (heads, kv_heads, kv_heads, heads), (2 * dh if packed else dh, dh, dh, 2 * dh if packed else dh)
         if attn.qkv_proj is None:
             names = ("q_proj", "k_proj", "v_proj", "q_proj" if packed else "gate_proj")
@@ -183,19 +197,23 @@ class SingleHeadAttention(nn.Module):
         else:  # rows [q | k | v] of the fused projection
             names, starts = ("qkv_proj",) * 3, (0, heads * dh, (heads + kv_heads) * dh)
         sizes = (dh, dh, dh, 1 if gated and attn.gate_per_head else dh)  # rows per head of each projection
-        views, projection_parts = [], {}
-        for field, n, name, start, stride, size in zip(fields, counts, names, starts, strides, sizes):
+        split, projection_parts = {}, {}
+        for field, n, name, start, stride, size in zip(("q_heads", "k_heads", "v_heads", "gate_heads"), counts, names, starts, strides, sizes):
+            if field not in fields:
+                continue
             parts = head_parts(field, start, n, size, stride if size == dh else size)
-            views.append(_head_views(_as_linear(getattr(attn, name), name), parts, conv2d))
+            split[field] = _head_views(_as_linear(getattr(attn, name), name), parts, conv2d)
             projection_parts.setdefault(name, []).extend(parts)
-        q_heads, k_heads, v_heads = views[:3]
         o_proj = Conv2dLinear.from_linear(_as_linear(attn.o_proj, "o_proj")) if conv2d else attn.o_proj
-        return cls(
-            heads, kv_heads, dh, attn.sdpa, attn.kv_cache, q_heads, k_heads, v_heads, o_proj,
-            rope=attn.rope, q_norm=attn.q_norm, k_norm=attn.k_norm, sinks=attn.sinks, projection_parts=projection_parts,
-            gate_heads=views[3] if gated else None, interleaved=attn.interleaved, o_norm=attn.o_norm,
-            gate_activation=attn.gate_activation if gated else "sigmoid",
+        block = cls(
+            heads, kv_heads, dh, attn.sdpa, attn.kv_cache, split["q_heads"], split.get("k_heads", []),
+            split.get("v_heads", []), o_proj, rope=attn.rope, q_norm=attn.q_norm, k_norm=attn.k_norm, sinks=attn.sinks,
+            projection_parts=projection_parts, gate_heads=split.get("gate_heads"), interleaved=attn.interleaved,
+            o_norm=attn.o_norm, gate_activation=attn.gate_activation if gated else "sigmoid", v_norm=attn.v_norm,
+            values_from_keys=attn.values_from_keys, reads=reads,
         )
+        block.kv_share = attn.kv_share
+        return block
 
     def project_head(self, proj: nn.Module, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
         """`x [B, T, D]` -> one head `[B, T, Dh]`, normalized by `norm` if given."""
@@ -241,6 +259,9 @@ class SingleHeadAttention(nn.Module):
         caches = None if self.kv_cache is None else self.kv_cache.bound()
         if mask is None and self.kv_cache is not None:
             mask = self.kv_cache.mask
+        if self.reads is not None:  # another block's keys and values, as it attended over them
+            keys, values, _, source_mask = self.reads.read()
+            mask = source_mask if mask is None else mask
         if mask is None:
             raise ValueError("SingleHeadAttention is a static block: it needs the caller's additive `mask` [T, S]")
         if mask.dtype == torch.bool:
@@ -249,14 +270,22 @@ class SingleHeadAttention(nn.Module):
         if tables is not None:
             tables = tuple(t.to(x.dtype) for t in tables)
 
-        k_new = [self.rotate_head(self.project_head(proj, x, self.k_norm), tables) for proj in self.k_heads]
-        v_new = [self.project_head(proj, x) for proj in self.v_heads]
-        if caches is None:
-            keys, values = k_new, v_new
-        else:
-            k_cache, v_cache = caches
-            keys = [torch.cat((k_cache[:, :, j], k), dim=1) for j, k in enumerate(k_new)]
-            values = [torch.cat((v_cache[:, :, j], v), dim=1) for j, v in enumerate(v_new)]
+        if self.reads is None:
+            if self.values_from_keys:  # values are the keys' projection, before its norm and rope
+                k_raw = [self.project_head(proj, x) for proj in self.k_heads]
+                k_new = [self.rotate_head(k if self.k_norm is None else self.k_norm(k), tables) for k in k_raw]
+                v_new = [k if self.v_norm is None else self.v_norm(k) for k in k_raw]
+            else:
+                k_new = [self.rotate_head(self.project_head(proj, x, self.k_norm), tables) for proj in self.k_heads]
+                v_new = [self.project_head(proj, x, self.v_norm) for proj in self.v_heads]
+            if caches is None:
+                keys, values = k_new, v_new
+            else:
+                k_cache, v_cache = caches
+                keys = [torch.cat((k_cache[:, :, j], k), dim=1) for j, k in enumerate(k_new)]
+                values = [torch.cat((v_cache[:, :, j], v), dim=1) for j, v in enumerate(v_new)]
+            if self.kv_share is not None:
+                self.kv_share.publish(keys, values, None, mask)
 
         groups = self.n_heads // self.n_kv_heads
         heads = []

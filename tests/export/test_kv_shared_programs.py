@@ -3,29 +3,29 @@
 The families (`KV_SHARED_FAMILIES`: four layers, sliding then full, twice; layers 2-3 reuse the keys and values
 of layers 0-1) are also `FAMILIES` entries: their eager parity and dynamic XNNPACK tokens are in
 `tests/swap/test_hf_families.py`. Here: the static contract holds one cache per source layer, the static program
-run eagerly matches transformers' logits, and the exported static programs generate transformers' greedy tokens
-for prompts a multiple of the chunk (16) and not (13), both longer than the window (6).
+run eagerly matches transformers' logits (also in the qnn recipe's per-head form, whose 16a8w programs have a QNN
+builder for every op), and the exported static programs generate transformers' greedy tokens for prompts a
+multiple of the chunk (16) and not (13), both longer than the window (6).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import KV_SHARED_FAMILIES, WINDOW, assert_untouched, family_pair, hf_greedy, prompt_ids, snapshot_of
+from hf_models import FEW_HEADS, KV_SHARED_FAMILIES, WINDOW, hf_greedy, prompt_ids, tiny_model
 from static_refs import CHUNK, CONTEXT, eager_feeder, greedy, swap_static
 
 import etblocks
-from etblocks.errors import UnsupportedModelError
+from etblocks.backends.qnn.readiness import format_readiness
+from etblocks.export import check_readiness
 from etblocks.export.programs import static_program
-from etblocks.swap.hf.adapter import HFKVSharedAttention
+from etblocks.swap.hf.adapter import HFKVSharedAttention, HFSingleHeadAttention
 
 NEW_TOKENS = 32
 PROMPT_LENGTHS = (16, 13)
-# Exported static programs: each backend once per family kind, the MoE variant (dense experts) on OpenVINO.
-EXPORTED = [
-    ("gemma3n_text", "portable"), ("gemma3n_text", "openvino"),
-    ("gemma4_text", "xnnpack"), ("gemma4_text", "openvino"), ("gemma4_text_moe", "openvino"),
-]
+# Exported static programs: each family on each backend, the MoE variant (dense experts) on OpenVINO.
+EXPORTED = [(name, backend) for name in ("gemma3n_text", "gemma4_text") for backend in ("portable", "xnnpack", "openvino")]
+EXPORTED.append(("gemma4_text_moe", "openvino"))
 
 
 @pytest.mark.parametrize("name", sorted(KV_SHARED_FAMILIES))
@@ -82,10 +82,36 @@ def test_static_program_generates_the_tokens_of_transformers(exported):
         assert runner.generate(prompt[0].tolist(), max_new_tokens=NEW_TOKENS) == expected, f"{name} {backend} prompt {length}"
 
 
-def test_qnn_recipe_refuses_kv_sharing_untouched():
-    """The qnn recipe splits attention per head, which KV-shared layers do not take yet: refused, model as it was."""
-    _, model = family_pair("gemma3n_text")
-    snapshot = snapshot_of(model)
-    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.0\.self_attn.*attention='mha'"):
-        etblocks.swap(model, backend="qnn", max_seq_len=CONTEXT, chunk=CHUNK)
-    assert_untouched(model, snapshot)
+@pytest.mark.parametrize("name", sorted(KV_SHARED_FAMILIES))
+def test_single_head_static_eager_matches_hf(name):
+    """The qnn recipe's per-head split (1x1-conv projections, caller-owned caches), unquantized: reuse layers read
+    the per-head keys and values their source publishes, with its mask."""
+    original, swapped = swap_static(name, "qnn")
+    attention = [layer.self_attn for layer in swapped.model.layers]
+    assert all(isinstance(a, HFSingleHeadAttention) for a in attention)
+    assert [a.reads is not None for a in attention] == [False, False, True, True]
+    assert len(static_program(swapped).contract.states) == 4
+    feeder = eager_feeder(swapped)
+    prompt = prompt_ids(13)
+    with torch.no_grad():
+        expected = original(prompt).logits[0, -1]
+        feeder.reset()
+        actual = feeder.forward(prompt[0].tolist())
+        assert (actual - expected).abs().max().item() <= 1e-4 * max(1.0, expected.abs().max().item())
+        feeder.reset()
+        assert greedy(feeder.forward, prompt[0].tolist(), NEW_TOKENS) == hf_greedy(original, prompt, NEW_TOKENS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gemma3n_text", "gemma4_text"])
+def test_qnn_programs_are_fully_covered(name):
+    """16a8w prefill and decode of a source and a reuse layer of each kind (2 query heads over 1 KV head): every op
+    has a QNN builder, value norms and Gemma 4's K=V values included."""
+    model_type, overrides = KV_SHARED_FAMILIES[name]
+    model = tiny_model(model_type, **{**overrides, **FEW_HEADS})
+    etblocks.swap(model, backend="qnn", max_seq_len=CONTEXT, chunk=CHUNK)
+    report = check_readiness(model, "qnn")
+    text = format_readiness(report)
+    for method, readiness in report.items():
+        assert readiness.ready, f"{name} {method}:\n{text}"
+        assert not readiness.uncovered and not readiness.dynamic and not readiness.bad_dtypes

@@ -46,8 +46,8 @@ def _is_projection(module: nn.Module | None) -> bool:
 def infer_layouts(module: nn.Module) -> list[HFAttentionLayout]:
     """The layouts `module` may have, in order of likelihood, if it has q/k/v projections (`q_proj` or `query`
     ..., or one fused projection), at most one output projection (`o_proj`, `out_proj`, `dense`, `c_proj`, ...),
-    a head size and `scaling` (and a `config` for a fused projection's head count); else none. A norm of the heads' output before the output projection
-    (`attn_sub_norm`) is kept.
+    a head size and `scaling` (and a `config` for a fused projection's head count); else none. A norm of the
+    heads' output before the output projection (`attn_sub_norm`) is kept.
 
     q/k norms are recognised by name; whether they act per head (before or after rope) or over the full width is
     read off their weight size, or tried when they have no weight. Rope is taken from the `position_embeddings` the model passes in, in each pairing of dims a

@@ -12,8 +12,8 @@ from torch import nn
 from etblocks.swap.hf import upstream_class
 from etblocks.swap.hf.convert import HFAttentionLayout, attention_from_layout
 from etblocks.swap.hf.deepseek import register_mla_families
-from etblocks.swap.hf.kv_shared import VALUE_NORM, kv_shared_attention
 from etblocks.swap.hf.hybrid import gated_deltanet, short_conv, text_rotary
+from etblocks.swap.hf.kv_shared import VALUE_NORM, kv_shared_attention
 from etblocks.swap.hf.moe import register_moe_families
 from etblocks.swap.registry import MIXERS, MODULES, SwapContext
 
@@ -78,7 +78,10 @@ def _olmoe(module: nn.Module, ctx: SwapContext) -> nn.Module:
     return attention_from_layout(module, FAMILIES["olmoe"][1], ctx)
 
 
-SPECIAL_CONVERTERS = {"gemma3n": kv_shared_attention, "gemma4": kv_shared_attention, "exaone4": _exaone4, "stablelm": _stablelm, "olmoe": _olmoe}
+SPECIAL_CONVERTERS = {
+    "gemma3n": kv_shared_attention, "gemma4": kv_shared_attention, "exaone4": _exaone4, "stablelm": _stablelm,
+    "olmoe": _olmoe,
+}
 
 
 def _converter(layout: HFAttentionLayout):

@@ -15,7 +15,7 @@ from torch import nn
 
 from etblocks.attention.sdpa import CustomSDPA, DynamicSDPA, QuantizedCustomSDPA
 from etblocks.swap.blocks import sdpa_and_cache
-from etblocks.swap.hf.adapter import HFKVSharedAttention
+from etblocks.swap.hf.adapter import HFKVSharedAttention, HFSingleHeadAttention
 from etblocks.swap.hf.convert import HFAttentionLayout, attention_from_layout
 from etblocks.swap.registry import SwapContext
 
@@ -36,11 +36,6 @@ def kv_shared_attention(module: nn.Module, ctx: SwapContext) -> nn.Module:
     """A Gemma 3n or Gemma 4 text attention module as an etblocks block: a `KVSharedAttention` for a reuse layer,
     else an attention block with its value norm (values from the keys where it has no `v_proj`) that, on a store
     layer, publishes its keys and values."""
-    if ctx.recipe.attention == "sha":
-        raise ValueError(
-            f"attention={ctx.recipe.attention!r}: layers that share keys and values are not split per head yet; "
-            "accepted: attention='mha'"
-        )
     if not module.is_kv_shared_layer:
         keys_are_values = getattr(module, "v_proj", None) is None
         block = attention_from_layout(module, dataclasses.replace(VALUE_NORM, values_from_keys=keys_are_values), ctx)
@@ -60,5 +55,7 @@ def kv_shared_attention(module: nn.Module, ctx: SwapContext) -> nn.Module:
     block = HFKVSharedAttention(
         ctx.kv_share(kv_source(module)), n_heads, n_kv_heads, head_dim, sdpa, module.q_proj, module.o_proj, q_norm=module.q_norm
     )
+    if ctx.recipe.attention == "sha":
+        block = HFSingleHeadAttention.from_attention(block, conv2d=ctx.recipe.linear == "conv2d")
     block.layer_idx = module.layer_idx
     return block.to(module.q_proj.weight.device)
