@@ -1,11 +1,16 @@
-"""Hybrid LLMs (Qwen3.5, LFM2) to ExecuTorch/XNNPACK: etblocks against ExecuTorch's own examples and transformers.
+"""Hybrid LLMs (Qwen3.5, LFM2, Gemma 4) to ExecuTorch/XNNPACK: etblocks against ExecuTorch's own examples and
+transformers.
 
 Models: random weights, fp32, built by transformers from a config at the shape of ExecuTorch's examples
 (`--family qwen3_5`: Qwen3.5-0.8B, 24 layers, 3 Gated DeltaNet then 1 gated attention; `--family lfm2`: LFM2-350M,
-16 layers of short conv and attention); `--layers N` keeps the first N layer types (a cut without attention gets one
-as its last layer). Rows (`--rows`), each exported for fp32 and 8da4w (`--quantize`, groups of `--group-size`):
-(a) etblocks (swap + export); (b) the family's ExecuTorch example as its README exports it (`export_llama` with the
-example's yaml); (c) transformers' `ExecutorchExporter().export_for_generation`; (d) (b) with dynamic shapes
+16 layers of short conv and attention; `--family gemma4`: Gemma 4 E2B's text decoder, 35 layers of sliding and full
+attention of which the last 20 read an earlier layer's keys and values, per-layer inputs, with a 32768-token vocabulary
+for both embedding tables instead of 262144, which would take 11 GB in fp32 and no cache depends on); `--layers N`
+keeps the first N layer types (a cut without attention gets one as its last layer; Gemma 4 keeps E2B's share of
+KV-shared layers, `kv_shared_layers`). Rows (`--rows`), each exported for fp32 and 8da4w (`--quantize`, groups of
+`--group-size`): (a) etblocks (swap + export); (b) the family's ExecuTorch example as its README exports it
+(`export_llama` with the example's yaml; for Gemma 4 the text decoder of `export_gemma4.export_single_pte`, which
+loads the transformers checkpoint as it is); (c) transformers' `ExecutorchExporter().export_for_generation`; (d) (b) with dynamic shapes
 (qwen3_5 only); (e) transformers' `TorchExportableModuleForDecoderOnlyLM`; (f) (a) with `delta_rule="chunked"`:
 DeltaNet's recurrence in matmuls (the form of the other backends) instead of the fused kernel (qwen3_5 only).
 
@@ -113,6 +118,9 @@ class Family:
     example_dynamic: bool  # whether the example's yaml exports a dynamic prompt length
     example_resets_state: bool  # whether the example's program clears its state at input_pos 0
     tiny: Mapping[str, Any]  # `--shape tiny`: config fields that make the model small enough for a smoke run
+    shares_kv: bool = False  # Gemma 3n/4: the last layers read an earlier layer's keys and values
+    min_context: int = 0  # the shortest `--max-seq-len` the example exports at
+    context: int = 512  # `--max-seq-len` by default
 
 
 QWEN3_5 = Family(
@@ -158,7 +166,44 @@ LFM2 = Family(
     tiny=dict(vocab_size=512, hidden_size=64, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2),
 )
 
-FAMILIES = {f.key: f for f in (QWEN3_5, LFM2)}
+GEMMA4 = Family(
+    key="gemma4",
+    label="Gemma-4-E2B text decoder",
+    config_class="Gemma4TextConfig",
+    model_class="Gemma4ForCausalLM",
+    config=dict(
+        vocab_size=32768, vocab_size_per_layer_input=32768, hidden_size=1536, intermediate_size=6144,
+        num_attention_heads=8, num_key_value_heads=1, head_dim=256, global_head_dim=512, sliding_window=512,
+        hidden_size_per_layer_input=256, use_double_wide_mlp=True, final_logit_softcapping=30.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                            "rope_theta": 1000000.0}},
+    ),
+    layer_types=(("sliding_attention",) * 4 + ("full_attention",)) * 7,
+    example="gemma4",
+    example_model_class="",  # not an export_llm model: `export_gemma4_example`
+    example_yamls={},
+    example_dynamic=True,
+    example_resets_state=True,
+    tiny=dict(vocab_size=512, vocab_size_per_layer_input=512, hidden_size=64, intermediate_size=128,
+              num_attention_heads=4, head_dim=16, global_head_dim=32, sliding_window=8, hidden_size_per_layer_input=16),
+    shares_kv=True,
+    min_context=772,  # export_gemma4 traces a 770-token example with the prompt length dynamic below the context
+    context=1024,  # export_gemma4's default
+)
+
+FAMILIES = {f.key: f for f in (QWEN3_5, LFM2, GEMMA4)}
+E2B_KV_SHARED = (20, 35)  # Gemma 4 E2B: the last 20 of 35 layers read an earlier layer's keys and values
+
+
+def kv_shared_layers(layer_types: Sequence[str]) -> int:
+    """How many of the last layers share keys and values when a Gemma 4 stack is cut to `layer_types`: E2B's
+    share, fewer when the layers left with a cache would miss a kind that a shared layer needs as its source."""
+    shared = round(len(layer_types) * E2B_KV_SHARED[0] / E2B_KV_SHARED[1])
+    while shared and not set(layer_types[-shared:]) <= set(layer_types[:-shared]):
+        shared -= 1
+    return shared
 
 
 def cut_layer_types(family: Family, layers: int | None) -> tuple[tuple[str, ...], bool]:
@@ -194,9 +239,11 @@ def hf_config(bench: HybridBench) -> Any:
 
     family = FAMILIES[bench.family]
     config_class = getattr(transformers, family.config_class)
+    shared = {"num_kv_shared_layers": kv_shared_layers(bench.layer_types)} if family.shares_kv else {}
     return config_class(
-        **{**family.config, **(family.tiny if bench.tiny else {})}, num_hidden_layers=len(bench.layer_types), layer_types=list(bench.layer_types),
-        initializer_range=bench.init_range, bos_token_id=None, eos_token_id=None, pad_token_id=0,
+        **{**family.config, **(family.tiny if bench.tiny else {})}, **shared, num_hidden_layers=len(bench.layer_types),
+        layer_types=list(bench.layer_types), initializer_range=bench.init_range, bos_token_id=None, eos_token_id=None,
+        pad_token_id=0,
     )
 
 
@@ -265,19 +312,43 @@ def weight_bytes_per_token(bench: HybridBench, quantize: str | None) -> float:
 # State bytes per layer
 
 
-def state_bytes(config: Any, kind: str, context: int, bytes_per_value: int = 4) -> int:
-    """fp32 bytes one layer of `kind` keeps for a sequence of `context` tokens:
+def layer_kinds(bench: HybridBench) -> list[str]:
+    """Each layer's kind of state: its layer type, with ", kv shared" for a layer that reads an earlier layer's keys
+    and values (and keeps none)."""
+    shared = kv_shared_layers(bench.layer_types) if FAMILIES[bench.family].shares_kv else 0
+    return [kind + (", kv shared" if i >= len(bench.layer_types) - shared else "")
+            for i, kind in enumerate(bench.layer_types)]
 
-      full_attention    2 * ctx * kv_heads * head_dim                        (K and V)
+
+def kv_widths(bench: HybridBench) -> dict[str, int]:
+    """K values per position of each attention layer type (`k_proj`'s outputs), read off the model built on the meta
+    device: transformers keeps per-layer head sizes (Gemma 4's wider full-attention heads) in the layers."""
+    with torch.device("meta"):
+        model = model_class(bench)(hf_config(bench))
+    return {kind: layer.self_attn.k_proj.out_features for kind, layer in zip(bench.layer_types, model.model.layers)
+            if hasattr(getattr(layer, "self_attn", None), "k_proj")}
+
+
+def state_bytes(config: Any, kind: str, context: int, kv_width: int = 0, bytes_per_value: int = 4) -> int:
+    """fp32 bytes one layer of `kind` keeps for a sequence of `context` tokens (`kv_width`: an attention layer's K
+    values per position, `kv_widths`):
+
+      full_attention    2 * ctx * kv_width                                   (K and V)
+      sliding_attention 2 * min(ctx, window) * kv_width                      (K and V in a ring of the window)
+      ..., kv shared    0                                                    (reads an earlier layer's)
       conv (LFM2)       (L_cache - 1) * hidden                               (the short conv's window)
       linear_attention  (conv_kernel - 1) * (2 * key_dim + value_dim)        (the conv window over q, k, v)
                         + v_heads * k_head_dim * v_head_dim                  (the DeltaNet recurrent matrix)
 
     Programs may keep more: transformers and ExecuTorch's Qwen3.5 example keep conv_kernel rows, not
-    conv_kernel - 1; ExecuTorch's LFM2 example keeps L_cache - 1."""
+    conv_kernel - 1; ExecuTorch's LFM2 example keeps L_cache - 1; ExecuTorch's Gemma 4 example keeps the whole
+    context for sliding layers too."""
+    if kind.endswith(", kv shared"):
+        return 0
     if kind == "full_attention":
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return 2 * context * config.num_key_value_heads * head_dim * bytes_per_value
+        return 2 * context * kv_width * bytes_per_value
+    if kind == "sliding_attention":
+        return 2 * min(context, config.sliding_window) * kv_width * bytes_per_value
     if kind == "conv":
         return (config.conv_L_cache - 1) * config.hidden_size * bytes_per_value
     if kind == "linear_attention":
@@ -300,16 +371,19 @@ def state_table(bench: HybridBench) -> tuple[str, dict[str, Any]]:
     """The text table of state bytes per layer and per model at `STATE_CONTEXTS`, and the same figures for the
     results file; at the full size of the family."""
     family = FAMILIES[bench.family]
-    config = hf_config(dataclasses.replace(bench, layer_types=family.layer_types))
-    kinds = list(dict.fromkeys(family.layer_types))
-    counts = {kind: family.layer_types.count(kind) for kind in kinds}
-    per_layer = {kind: {c: state_bytes(config, kind, c) for c in STATE_CONTEXTS} for kind in kinds}
+    full_size = dataclasses.replace(bench, layer_types=family.layer_types)
+    config, widths, layer_kind = hf_config(full_size), kv_widths(full_size), layer_kinds(full_size)
+    kinds = list(dict.fromkeys(layer_kind))
+    counts = {kind: layer_kind.count(kind) for kind in kinds}
+    per_layer = {kind: {c: state_bytes(config, kind, c, widths.get(kind.split(",")[0], 0)) for c in STATE_CONTEXTS}
+                 for kind in kinds}
+    full_layer = {c: state_bytes(config, "full_attention", c, widths["full_attention"]) for c in STATE_CONTEXTS}
     model = {c: sum(counts[k] * per_layer[k][c] for k in kinds) for c in STATE_CONTEXTS}
-    all_full = {c: len(family.layer_types) * per_layer["full_attention"][c] for c in STATE_CONTEXTS}
+    all_full = {c: len(family.layer_types) * full_layer[c] for c in STATE_CONTEXTS}
     headers = ["layer (fp32 state)", "layers", *(f"ctx {c}" for c in STATE_CONTEXTS),
                *(f"vs full attn @{c}" for c in STATE_CONTEXTS)]
     lines = [[kind, str(counts[kind]), *(_bytes(per_layer[kind][c]) for c in STATE_CONTEXTS),
-              *(f"{per_layer[kind][c] / per_layer['full_attention'][c]:.3f}x" for c in STATE_CONTEXTS)]
+              *(f"{per_layer[kind][c] / full_layer[c]:.3f}x" for c in STATE_CONTEXTS)]
              for kind in kinds]
     lines.append([f"{family.label} (all {len(family.layer_types)} layers)", str(len(family.layer_types)),
                   *(_bytes(model[c]) for c in STATE_CONTEXTS),
@@ -572,8 +646,95 @@ def example_driver(bench: HybridBench, path: Path, dynamic_shape: bool) -> Drive
     return ReloadingDriver(path, token_by_token=not dynamic_shape)
 
 
+def gemma4_example_config(bench: HybridBench) -> Any:
+    """The example's `Gemma4Config` for the transformers model of `bench` (the fields its `from_json` reads)."""
+    from executorch.examples.models.gemma4.text_decoder.gemma4_config import Gemma4Config
+
+    config, family = hf_config(bench), FAMILIES[bench.family]
+    fields = {**family.config, **(family.tiny if bench.tiny else {})}
+    rope = config.rope_parameters
+    return Gemma4Config(
+        hidden_size=config.hidden_size, num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+        head_dim=fields["head_dim"], global_head_dim=fields["global_head_dim"], vocab_size=config.vocab_size,
+        intermediate_size=config.intermediate_size, use_double_wide_mlp=config.use_double_wide_mlp,
+        rms_norm_eps=config.rms_norm_eps, rope_theta=rope["full_attention"]["rope_theta"],
+        rope_local_base_freq=rope["sliding_attention"]["rope_theta"],
+        partial_rotary_factor=rope["full_attention"]["partial_rotary_factor"], sliding_window=config.sliding_window,
+        layer_types=list(config.layer_types), final_logit_softcapping=config.final_logit_softcapping,
+        hidden_size_per_layer_input=config.hidden_size_per_layer_input,
+        vocab_size_per_layer_input=config.vocab_size_per_layer_input,
+        num_kv_shared_layers=config.num_kv_shared_layers, tie_word_embeddings=True,
+    )
+
+
+def export_gemma4_example(bench: HybridBench, row: Row, filename: str) -> Path:
+    """ExecuTorch's Gemma 4 example (`export_gemma4.export_single_pte`, text decoder only) on the transformers
+    model's weights, saved as the multimodal checkpoint its `convert_weights` reads (`model.language_model.*`). The
+    example takes its config from a file of its own per variant, which the installed package does not ship:
+    `Gemma4Config.from_config` is pointed at `gemma4_example_config` instead."""
+    from unittest import mock
+
+    from executorch.examples.models.gemma4 import export_gemma4
+    from executorch.examples.models.gemma4.text_decoder.gemma4_config import Gemma4Config
+    from safetensors.torch import save_file
+
+    if bench.shape.max_seq_len < FAMILIES[bench.family].min_context:
+        raise Unavailable(f"export_gemma4 traces a 770-token example: needs --max-seq-len >= "
+                          f"{FAMILIES[bench.family].min_context}, got {bench.shape.max_seq_len}")
+    work = Path(tempfile.mkdtemp(prefix=f"{row.key}_example_", dir=bench.out_dir))
+    model = build_model(bench)
+    state = {("model.language_model." + k.removeprefix("model.")): v.contiguous()
+             for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied: the example copies the embedding
+    save_file(state, str(work / "model.safetensors"))
+    del model, state
+    gc.collect()
+    config = gemma4_example_config(bench)
+    path = bench.out_dir / filename
+    start = time.perf_counter()
+    with mock.patch.object(Gemma4Config, "from_config", classmethod(lambda cls, variant="e2b": config)), \
+            contextlib.redirect_stdout(sys.stderr):
+        export_gemma4.export_single_pte(
+            str(work), str(path), text_quantize=bench.quantize or "none", max_seq_len=bench.shape.max_seq_len,
+            group_size=bench.group_size, include_audio=False, include_vision=False,
+        )
+    row.export_s = time.perf_counter() - start
+    row.pte_mb = pte_megabytes(path)
+    shutil.rmtree(work, ignore_errors=True)
+    quantized = f" + text_quantize={bench.quantize}, group_size={bench.group_size}" if bench.quantize else ""
+    row.note = (f"export_single_pte(include_audio=False, include_vision=False){quantized}: method text_decoder, "
+                "custom SDPA, a full-context cache for sliding layers too")
+    return path
+
+
+class Gemma4ExampleDriver(RebuiltWhenPickled):
+    """The `text_decoder` method of ExecuTorch's Gemma 4 example: `(input_ids [1, T], input_pos [T],
+    inputs_embeds [1, T, hidden])` -> the last position's logits, zero embeddings for text (run_gemma4.py's call)."""
+
+    def __init__(self, path: Path, hidden_size: int):
+        self.method = load_method(path, "text_decoder")
+        self.hidden_size = hidden_size
+
+    def _step(self, tokens: list[int], pos: int) -> int:
+        n = len(tokens)
+        inputs = [torch.tensor([tokens], dtype=torch.long), torch.arange(pos, pos + n, dtype=torch.long),
+                  torch.zeros(1, n, self.hidden_size)]
+        (logits,) = run_method(self.method, inputs)
+        return argmax_last(logits)
+
+    def prefill(self, prompt: list[int]) -> int:
+        return self._step(prompt, 0)
+
+    def decode(self, token: int, pos: int) -> int:
+        return self._step([token], pos)
+
+
 def path_example(bench: HybridBench, row: Row) -> Driver:
-    """(b) ExecuTorch's example of the family, as its README's export_llm command exports it (module docstring)."""
+    """(b) ExecuTorch's example of the family, as its README's export_llm command exports it (module docstring);
+    Gemma 4's as its export script does (`export_gemma4_example`)."""
+    if bench.family == GEMMA4.key:
+        path = export_gemma4_example(bench, row, f"b_example_{tag(bench)}.pte")
+        return Gemma4ExampleDriver(path, bench.shape.hidden)
     path, dynamic_shape = export_example(bench, row, f"b_example_{tag(bench)}.pte")
     return example_driver(bench, path, dynamic_shape)
 
@@ -582,7 +743,7 @@ def path_example_dynamic(bench: HybridBench, row: Row) -> Driver:
     """(d) (b) with `model.enable_dynamic_shape=True`, for an example whose config exports static shapes."""
     family = FAMILIES[bench.family]
     if family.example_dynamic:
-        raise Unavailable(f"{family.example_yamls[bench.quantize]} already exports a dynamic prompt length: row (b)")
+        raise Unavailable(f"{family.key}'s example already exports a dynamic prompt length: row (b)")
     path, dynamic_shape = export_example(bench, row, f"d_example_dynamic_{tag(bench)}.pte", dynamic=True)
     return example_driver(bench, path, dynamic_shape)
 
@@ -869,11 +1030,12 @@ def parse_args(argv: Sequence[str] | None) -> Any:
     parser.add_argument("--load", choices=("auto", "together", "one-at-a-time"), default="auto",
                         help="the timing process holds every row's program, or one at a time (auto: one at a time when "
                              "they would take more than half the available memory)")
-    parser.set_defaults(layers=None, max_seq_len=512, prompt_len=None)
+    parser.set_defaults(layers=None, max_seq_len=None, prompt_len=None)
     add_run_args(parser, "hybrid", SMOKE)
     args = parse_with_smoke(parser, argv, SMOKE)
     if args.family is None:
         parser.error("--family is required")
+    args.max_seq_len = args.max_seq_len or FAMILIES[args.family].context
     args.prompt_lengths = [args.prompt_len] if args.prompt_len else [int(p) for p in args.prompts.split(",") if p]
     args.quantize_modes = [None if q.strip() == "none" else q.strip() for q in args.quantize.split(",") if q.strip()]
     unknown = [q for q in args.quantize_modes if q not in (None, "8da4w")]
@@ -896,7 +1058,8 @@ def make_hybrid_bench(args: Any) -> tuple[HybridBench, bool]:
     config = hf_config(bench)
     longest = torch.randint(1, config.vocab_size, (max(args.prompt_lengths),), generator=generator).tolist()
     prompts = {n: longest[:n] for n in sorted(set(args.prompt_lengths))}
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    fields = {**family.config, **(family.tiny if bench.tiny else {})}  # config.head_dim is per layer in Gemma 4
+    head_dim = fields.get("head_dim") or config.hidden_size // config.num_attention_heads
     shape = Shape(layers=len(layer_types), hidden=config.hidden_size, heads=config.num_attention_heads,
                   kv_heads=config.num_key_value_heads, head_dim=head_dim, intermediate=config.intermediate_size,
                   vocab=config.vocab_size, max_seq_len=args.max_seq_len)
