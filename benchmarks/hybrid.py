@@ -5,14 +5,15 @@ Models: random weights, fp32, built by transformers from a config at the shape o
 (`--family qwen3_5`: Qwen3.5-0.8B, 24 layers, 3 Gated DeltaNet then 1 gated attention; `--family lfm2`: LFM2-350M,
 16 layers of short conv and attention; `--family gemma4`: Gemma 4 E2B's text decoder, 35 layers of sliding and full
 attention of which the last 20 read an earlier layer's keys and values, per-layer inputs, with a 32768-token vocabulary
-for both embedding tables instead of 262144, which would take 11 GB in fp32 and no cache depends on); `--layers N`
-keeps the first N layer types (a cut without attention gets one as its last layer; Gemma 4 keeps E2B's share of
-KV-shared layers, `kv_shared_layers`). Rows (`--rows`), each exported for fp32 and 8da4w (`--quantize`, groups of
-`--group-size`): (a) etblocks (swap + export); (b) the family's ExecuTorch example as its README exports it
-(`export_llama` with the example's yaml; for Gemma 4 the text decoder of `export_gemma4.export_single_pte`, which
-loads the transformers checkpoint as it is); (c) transformers' `ExecutorchExporter().export_for_generation`; (d) (b) with dynamic shapes
-(qwen3_5 only); (e) transformers' `TorchExportableModuleForDecoderOnlyLM`; (f) (a) with `delta_rule="chunked"`:
-DeltaNet's recurrence in matmuls (the form of the other backends) instead of the fused kernel (qwen3_5 only).
+for both embedding tables instead of 262144, which would take 11 GB in fp32 and no cache depends on; all 35 layers
+do not export in 24 GB, `--layers 20` does); `--layers N` keeps the first N layer types (a cut without attention gets
+one as its last layer; Gemma 4 keeps E2B's share of KV-shared layers, `kv_shared_layers`). Rows (`--rows`), each
+exported for fp32 and 8da4w (`--quantize`, groups of `--group-size`): (a) etblocks (swap + export); (b) the family's
+ExecuTorch example as its README exports it (`export_llama` with the example's yaml; for Gemma 4 the text decoder of
+`export_gemma4.export_single_pte`, which loads the transformers checkpoint as it is); (c) transformers'
+`ExecutorchExporter().export_for_generation`; (d) (b) with dynamic shapes (qwen3_5 only); (e) transformers'
+`TorchExportableModuleForDecoderOnlyLM`; (f) (a) with `delta_rule="chunked"`: DeltaNet's recurrence in matmuls (the
+form of the other backends) instead of the fused kernel (qwen3_5 only).
 
 Timing (`harness`): every row exported in a process of its own, then timed in a fresh process per prompt length
 (`--prompts`) in `--rounds` interleaved rounds (an untimed warm prefill, a timed prefill, `--decode-steps` greedy
@@ -26,6 +27,7 @@ same entry replaces the quantization settings it measures).
 
     python benchmarks/hybrid.py --family lfm2                       # 16 layers, fp32 and 8da4w
     python benchmarks/hybrid.py --family qwen3_5 --quantize none    # 24 layers, fp32
+    python benchmarks/hybrid.py --family gemma4 --layers 20 --rows a,b --quantize none   # etblocks vs the example
     python benchmarks/hybrid.py --smoke                             # tiny qwen3_5, 2 layers, rows a and f, fp32
 """
 

@@ -96,9 +96,10 @@ def run_isolated(model_type: str) -> dict:
         return record
 
 
-def with_commit(record: dict, commit: str | None) -> dict:
-    """Each family keeps the commit it ran at: a run over some families merges into an earlier whole run."""
-    return {**record, "git_commit": commit}
+def with_run(record: dict, commit: str | None, transformers_version: str) -> dict:
+    """Each family keeps the commit and transformers version it ran with: a run over some families merges into an
+    earlier whole run."""
+    return {**record, "git_commit": commit, "transformers": transformers_version}
 
 
 def versions() -> dict:
@@ -118,11 +119,12 @@ def all_model_types() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def commits(results: dict) -> list[str]:
-    """The commits the families ran at, with how many each, most first."""
+def runs(results: dict) -> list[str]:
+    """The commits and transformers versions the families ran with, with how many each, most first."""
     counted: dict[str, int] = {}
     for record in results["families"].values():
-        key = str(record.get("git_commit") or results.get("git_commit"))[:10]
+        version = record.get("transformers") or results["versions"]["transformers"]
+        key = f"{str(record.get('git_commit') or results.get('git_commit'))[:10]} with transformers {version}"
         counted[key] = counted.get(key, 0) + 1
     return [f"{c} ({n} families)" for c, n in sorted(counted.items(), key=lambda item: -item[1])]
 
@@ -139,7 +141,7 @@ def render(results: dict) -> str:
         f"random-weight config (`tests/hf_matrix.py`), swapped for XNNPACK with `etblocks.swap` (every replacement "
         f"checked by the probe, prefill and decode), exported, and run: **{NEW_TOKENS} greedy tokens of the program "
         f"against transformers' `generate`** from a {PROMPT_LEN}-token prompt. Run with "
-        f"`python benchmarks/support_matrix.py` (commits {', '.join(commits(results))}; torch "
+        f"`python benchmarks/support_matrix.py` (commits {', '.join(runs(results))}; torch "
         f"{results['versions']['torch']}, executorch {results['versions']['executorch']})."),
         "",
         "| status | architectures |",
@@ -186,12 +188,12 @@ def main(argv: list[str] | None = None) -> int:
 
     model_types = args.families.split(",") if args.families else all_model_types()
     results = json.loads(args.out.read_text()) if args.families and args.out.exists() else {"families": {}}
-    start, commit = time.perf_counter(), git_commit()
+    start, commit, installed = time.perf_counter(), git_commit(), versions()
     with ThreadPoolExecutor(args.jobs) as pool:
         for model_type, record in zip(model_types, pool.map(run_isolated, model_types)):
-            results["families"][model_type] = with_commit(record, commit)
+            results["families"][model_type] = with_run(record, commit, installed["transformers"])
             print(f"{model_type:28s} {record['status']:15s} {record.get('reason', '')[:150]}", flush=True)
-    results.update(versions=versions(), git_commit=commit, wall_s=round(time.perf_counter() - start))
+    results.update(versions=installed, git_commit=commit, wall_s=round(time.perf_counter() - start))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     bugs = sorted(t for t, r in results["families"].items() if r["status"] in BUGS)

@@ -149,6 +149,7 @@ MATRIX: dict[str, dict] = {
     "dots3_note_text": DOTS3,
     "electra": DECODER,
     "emu3": dict(text_config=_text()),  # Emu3ForCausalLM is the text model alone
+    "ergo": dict(**MOE, **SWA, first_dense_intermediate_size=128, shared_intermediate_size=32),  # NoPE full layer
     "ernie": DECODER,
     "ernie4_5": {},
     "ernie4_5_moe": dict(moe_num_experts=8, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=1),
@@ -222,6 +223,12 @@ MATRIX: dict[str, dict] = {
         layer_types=["linear_attention", "full_attention"],
     ),
     "kolibri1": dict(**LOCAL_MOE, moe_intermediate_size=32, shared_expert_intermediate_size=32, **SWA),
+    "kolibri1_1": dict(  # layer 1: NoPE sparse attention over NVFP4-rounded keys, 4 of a pool of 8 (+1 sink, 2 local)
+        **MOE, shared_expert_intermediate_size=32, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "indexed_attention"], mlp_only_layers=[0], mlp_only_intermediate_size=128,
+        index_num_heads=2, index_topk=4, index_pool_size=8, index_compression=2, index_num_local_tokens=2,
+        index_num_sink_tokens=1,
+    ),
     "laguna": dict(**MOE, shared_expert_intermediate_size=32, **SWA),
     "lara_mini": dict(
         **MOE, shared_expert_intermediate_size=32, linear_key_head_dim=16, linear_value_head_dim=16,
@@ -249,6 +256,7 @@ MATRIX: dict[str, dict] = {
         sliding_window=WINDOW,
     ),
     "minicpm3": dict(**MLA, **UNTIED),
+    "minicpm5_moe": ROUTED,
     # a sliding window makes MiniMax's cached generate disagree (its default has none); lightning blocks of 4 tokens
     "minimax": dict(layer_types=["linear_attention", "full_attention"], block_size=4),
     "minimax_m2": LOCAL_MOE,
@@ -288,6 +296,7 @@ MATRIX: dict[str, dict] = {
     "olmoe": dict(num_experts=8, num_experts_per_tok=2),
     "openai-gpt": UNTIED,
     "opt": dict(ffn_dim=128),
+    "param2moe": ROUTED,
     "pegasus": BART_DECODER,
     "persimmon": {},
     "phi": {},

@@ -6,7 +6,8 @@ given one set of activation ranges and converted; the quantizer comes from the b
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+import contextlib
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -109,6 +110,42 @@ def _drop_unused_attributes(module: torch.fx.GraphModule) -> None:
             delattr(module.get_submodule(owner_path), attr)
 
 
+def _producer_nodes(node: torch.fx.Node) -> list[torch.fx.Node] | None:
+    """torchao's `collect_producer_nodes` (a node and the nodes it is computed from, up to `getattr` calls; None
+    if a graph input is among them), visiting each node once and reading nodes inside list arguments too."""
+    nodes, frontier, seen = [node], [node], {node}
+    while frontier:
+        for arg in frontier.pop().all_input_nodes:
+            if arg in seen:
+                continue
+            if arg.op == "placeholder":
+                return None
+            seen.add(arg)
+            nodes.append(arg)
+            if not (arg.op == "call_function" and arg.target is getattr):
+                frontier.append(arg)
+    return nodes
+
+
+@contextlib.contextmanager
+def _constant_folding_that_finds_inputs() -> Iterator[None]:
+    """torchao 0.18's constant folding in `convert_pt2e` keeps every node that an in-place copy's target is computed
+    from unfolded when that target depends on a buffer and, as far as it can see, on no graph input. It does not see
+    inputs behind list arguments (`cat`, `stack`) and walks without remembering what it has seen. Gemma 3n's AltUp
+    (`corrections[1:] += first`, in every layer, over a `stack`) made that walk take time and memory exponential in
+    the depth (20 GB for 4 layers) and kept every weight above it as an unfolded float quantize, on which
+    Qualcomm's `AnnotateQuantAttrs` pass fails. This walk visits each node once and reads list arguments, so a
+    target computed from the tokens keeps nothing from folding, as torchao means it to."""
+    from torchao.quantization.pt2e import constant_fold
+
+    original = constant_fold.collect_producer_nodes
+    constant_fold.collect_producer_nodes = _producer_nodes
+    try:
+        yield
+    finally:
+        constant_fold.collect_producer_nodes = original
+
+
 def quantize_programs(
     programs: dict[str, torch.export.ExportedProgram],
     quantizer: Quantizer,
@@ -145,7 +182,8 @@ def quantize_programs(
     _share_ranges(prepared)
     quantized = {}
     for name, module in prepared.items():
-        converted = convert_pt2e(module)
+        with _constant_folding_that_finds_inputs():
+            converted = convert_pt2e(module)
         _drop_unused_attributes(converted)
         args, kwargs = programs[name].example_inputs
         with torch.no_grad():
