@@ -26,9 +26,14 @@ class Xnnpack(Backend):
         return [XnnpackPartitioner()]
 
     def graph_passes(self) -> list:
-        from etblocks.backends.passes import dedupe_views, mean_over_last_dim_as_linear, rms_norm_as_primitives
+        from etblocks.backends.passes import (
+            dedupe_views,
+            inverse_square_root_as_rsqrt,
+            mean_over_last_dim_as_linear,
+            rms_norm_as_primitives,
+        )
 
-        return [rms_norm_as_primitives, mean_over_last_dim_as_linear, dedupe_views]
+        return [rms_norm_as_primitives, inverse_square_root_as_rsqrt, mean_over_last_dim_as_linear, dedupe_views]
 
 
 BACKEND = Xnnpack()

@@ -169,3 +169,30 @@ def test_mean_rewrite_on_a_graph_whose_first_input_is_a_torchao_weight():
     lowered = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])
     summary = summarize(lowered.exported_program().graph_module)
     assert len(summary.partitions) == 1 and summary.n_cpu_ops == 0, summary
+
+
+def test_inverse_square_root_rewrite_keeps_gemma_norms_in_the_delegate():
+    """Gemma 4's norm (`x * torch.pow(mean(x^2) + eps, -0.5)`, with and without a scale) against the upstream
+    module: the values stay within a rounding of it, and after the xnnpack passes XNNPACK takes the whole graph
+    (left as `pow`, the inverse square root stays on the CPU and splits the delegate)."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
+
+    from etblocks.backends.passes import inverse_square_root_as_rsqrt
+
+    torch.manual_seed(0)
+    norms = torch.nn.Sequential(Gemma4RMSNorm(16), Gemma4RMSNorm(16, with_scale=False)).eval()
+    torch.nn.init.normal_(norms[0].weight)
+    exported = _exported(norms, torch.randn(1, 7, 16))
+    assert inverse_square_root_as_rsqrt(exported) == 2
+    assert not any(n.target == torch.ops.aten.pow.Tensor_Scalar and n.args[1] == -0.5 for n in exported.graph.nodes)
+    for length in (1, 7, 40):
+        x = torch.randn(1, length, 16)
+        torch.testing.assert_close(exported.module()(x), norms(x), atol=1e-6, rtol=1e-6)
+
+    exported = _exported(norms, torch.randn(1, 7, 16))
+    get_backend("xnnpack").apply_passes(exported)
+    lowered = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])
+    summary = summarize(lowered.exported_program().graph_module)
+    assert len(summary.partitions) == 1 and summary.n_cpu_ops == 0, summary
