@@ -236,6 +236,12 @@ class HybridBench(Bench):
     prompts: Mapping[int, list[int]] = dataclasses.field(default_factory=dict)
 
 
+def config_fields(bench: HybridBench) -> dict[str, Any]:
+    """The family's config fields at the bench's size (`--shape tiny` or full), besides the layers."""
+    family = FAMILIES[bench.family]
+    return {**family.config, **(family.tiny if bench.tiny else {})}
+
+
 def hf_config(bench: HybridBench) -> Any:
     import transformers
 
@@ -243,7 +249,7 @@ def hf_config(bench: HybridBench) -> Any:
     config_class = getattr(transformers, family.config_class)
     shared = {"num_kv_shared_layers": kv_shared_layers(bench.layer_types)} if family.shares_kv else {}
     return config_class(
-        **{**family.config, **(family.tiny if bench.tiny else {})}, **shared, num_hidden_layers=len(bench.layer_types),
+        **config_fields(bench), **shared, num_hidden_layers=len(bench.layer_types),
         layer_types=list(bench.layer_types), initializer_range=bench.init_range, bos_token_id=None, eos_token_id=None,
         pad_token_id=0,
     )
@@ -652,8 +658,7 @@ def gemma4_example_config(bench: HybridBench) -> Any:
     """The example's `Gemma4Config` for the transformers model of `bench` (the fields its `from_json` reads)."""
     from executorch.examples.models.gemma4.text_decoder.gemma4_config import Gemma4Config
 
-    config, family = hf_config(bench), FAMILIES[bench.family]
-    fields = {**family.config, **(family.tiny if bench.tiny else {})}
+    config, fields = hf_config(bench), config_fields(bench)
     rope = config.rope_parameters
     return Gemma4Config(
         hidden_size=config.hidden_size, num_hidden_layers=config.num_hidden_layers,
@@ -1060,8 +1065,8 @@ def make_hybrid_bench(args: Any) -> tuple[HybridBench, bool]:
     config = hf_config(bench)
     longest = torch.randint(1, config.vocab_size, (max(args.prompt_lengths),), generator=generator).tolist()
     prompts = {n: longest[:n] for n in sorted(set(args.prompt_lengths))}
-    fields = {**family.config, **(family.tiny if bench.tiny else {})}  # config.head_dim is per layer in Gemma 4
-    head_dim = fields.get("head_dim") or config.hidden_size // config.num_attention_heads
+    # from the fields, not the config: Gemma 4's config keeps head_dim per layer and raises for one value
+    head_dim = config_fields(bench).get("head_dim") or config.hidden_size // config.num_attention_heads
     shape = Shape(layers=len(layer_types), hidden=config.hidden_size, heads=config.num_attention_heads,
                   kv_heads=config.num_key_value_heads, head_dim=head_dim, intermediate=config.intermediate_size,
                   vocab=config.vocab_size, max_seq_len=args.max_seq_len)

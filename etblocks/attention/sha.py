@@ -189,7 +189,9 @@ class SingleHeadAttention(nn.Module):
         packed = gated and attn.gate_proj is None  # a gated q_proj holds [q_h | gate_h] per head
         reads = getattr(attn, "reads", None)  # a `KVSharedAttention`: queries only, over its source's keys and values
         skipped = {"k_heads", "v_heads"} if reads is not None else {"v_heads"} if attn.values_from_keys else set()
-        fields = [f for f in ("q_heads", "k_heads", "v_heads", "gate_heads")[: 4 if gated else 3] if f not in skipped]
+        if not gated:
+            skipped.add("gate_heads")
+        fields = ("q_heads", "k_heads", "v_heads", "gate_heads")
         counts, strides = (heads, kv_heads, kv_heads, heads), (2 * dh if packed else dh, dh, dh, 2 * dh if packed else dh)
         if attn.qkv_proj is None:
             names = ("q_proj", "k_proj", "v_proj", "q_proj" if packed else "gate_proj")
@@ -198,8 +200,8 @@ class SingleHeadAttention(nn.Module):
             names, starts = ("qkv_proj",) * 3, (0, heads * dh, (heads + kv_heads) * dh)
         sizes = (dh, dh, dh, 1 if gated and attn.gate_per_head else dh)  # rows per head of each projection
         split, projection_parts = {}, {}
-        for field, n, name, start, stride, size in zip(("q_heads", "k_heads", "v_heads", "gate_heads"), counts, names, starts, strides, sizes):
-            if field not in fields:
+        for field, n, name, start, stride, size in zip(fields, counts, names, starts, strides, sizes):
+            if field in skipped:
                 continue
             parts = head_parts(field, start, n, size, stride if size == dh else size)
             split[field] = _head_views(_as_linear(getattr(attn, name), name), parts, conv2d)
