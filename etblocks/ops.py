@@ -19,8 +19,11 @@ def load_llama_custom_ops() -> None:
 
 
 def load_quantized_ops() -> None:
-    """Register ExecuTorch's `quantized_decomposed` ops (int8 rows, the int8 embedding)."""
+    """Register the `quantized_decomposed` ops (int8 rows, the int8 embedding): their definitions are torch's,
+    ExecuTorch's kernels library adds only its out-variants, so a process that imported nothing else that defines
+    them (torchao does) would find `choose_qparams_per_token_asymmetric` without its default overload."""
     import executorch.kernels.quantized  # noqa: F401
+    import torch.ao.quantization.fx._decomposed  # noqa: F401
 
 
 def load_kernels() -> None:

@@ -217,8 +217,8 @@ GENERATE = RUN + CHAT  # options of every command that generates
 RECIPE_OPTIONS = (
     choice("sdpa", EXPORT, ("custom", "dynamic", "static"), "attention kernel: llama::custom_sdpa, plain torch masked "
            "from positions, or plain torch with the caller's mask; default: the backend's"),
-    choice("cache_update", EXPORT, ("custom", "index_copy"), "how in-place caches are written: llama::update_cache or "
-           "index_copy_; default: the backend's"),
+    choice("cache_update", EXPORT, ("custom", "index_copy"), "how in-place caches are written: llama::update_cache "
+           "(with_indices for rings) or index_copy_; default: the backend's"),
     choice("shapes", EXPORT, ("dynamic", "static"), "dynamic: one forward with T dynamic; static: prefill + decode with "
            "fixed shapes; default: the backend's"),
     choice("cache", EXPORT, ("inplace", "io"), "state kept in the program (inplace) or owned by its caller (io, static "

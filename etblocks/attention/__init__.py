@@ -9,6 +9,7 @@ from etblocks.attention.rope import RotaryEmbedding, apply_rotary, default_inv_f
 from etblocks.attention.sdpa import (
     SDPA,
     CustomSDPA,
+    MaskedCustomSDPA,
     DynamicSDPA,
     QuantizedCustomSDPA,
     StaticSDPA,
@@ -26,6 +27,7 @@ __all__ = [
     "Conv2dLinear",
     "SDPA",
     "CustomSDPA",
+    "MaskedCustomSDPA",
     "QuantizedCustomSDPA",
     "DynamicSDPA",
     "StaticSDPA",

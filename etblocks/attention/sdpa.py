@@ -1,7 +1,8 @@
 """Scaled dot-product attention in three forms, all on `[B, T, H, D]` queries and `[B, S, Hkv, D]` keys/values.
 
 - `CustomSDPA`: ExecuTorch's `llama::custom_sdpa` over a positional cache (fast XNNPACK/CPU decode);
-  `QuantizedCustomSDPA` is `llama::custom_quantized_sdpa` over an int8 one.
+  `QuantizedCustomSDPA` is `llama::custom_quantized_sdpa` over an int8 one; `MaskedCustomSDPA` is the same kernel
+  with a mask from positions, for rings and sliding windows.
 - `DynamicSDPA`: plain torch; builds its mask from positions, so it also serves ring caches and softcaps.
 - `StaticSDPA`: plain torch over a fixed-size cache with an additive mask the caller gives (static programs).
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from etblocks.attention.masks import allowed_keys
+from etblocks.attention.masks import additive_mask, allowed_keys
 from etblocks.ops import load_llama_custom_ops, quantize_rows
 
 
@@ -135,6 +136,29 @@ class CustomSDPA(SDPA):
         torch._check(start >= 0)
         torch._check(start + q.shape[1] <= k.shape[1])  # the kernel aborts the process past the cache
         return torch.ops.llama.custom_sdpa(q, k, v, start, None, 0, True, self.scale)
+
+
+class MaskedCustomSDPA(SDPA):
+    """`llama::custom_sdpa` with an additive mask built from positions: any cache layout (a ring's slots followed
+    by the call's rows), sliding windows, GQA native. With a mask the kernel reads every key it is given, so the
+    cache decides how many rows a step costs. No softcap or sinks."""
+
+    supports_sinks = False
+
+    def __init__(self, scale: float, softcap: float | None = None, sliding_window: int | None = None) -> None:
+        if softcap is not None:
+            raise ValueError(f"MaskedCustomSDPA does not support softcap; got softcap={softcap}. Use DynamicSDPA.")
+        super().__init__(scale, sliding_window=sliding_window)
+        load_llama_custom_ops()
+
+    def forward(self, q, k, v, q_pos, k_pos, mask=None, sinks=None):
+        if sinks is not None:
+            raise ValueError("MaskedCustomSDPA cannot apply attention sinks; use DynamicSDPA or StaticSDPA")
+        if mask is None:
+            mask = allowed_keys(q_pos, k_pos, self.sliding_window)
+        if mask.dtype == torch.bool:  # the kernel takes float32 or float16 masks
+            mask = additive_mask(mask, torch.float16 if q.dtype == torch.float16 else torch.float32)
+        return torch.ops.llama.custom_sdpa(q, k, v, 0, mask, 0, False, self.scale)
 
 
 class QuantizedCustomSDPA(CustomSDPA):

@@ -91,15 +91,25 @@ class QuantizedRingKVCache(_Int8Buffers, RingKVCache):
     """`RingKVCache` in int8; `update` returns the dequantized ring and new rows for a position-masked SDPA."""
 
     def __init__(
-        self, max_batch_size: int, window: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32
+        self,
+        max_batch_size: int,
+        window: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        use_custom_op: bool = False,
+        read_filled: bool = False,
     ) -> None:
         load_quantized_ops()
-        super().__init__(max_batch_size, window, n_kv_heads, head_dim, dtype)
+        super().__init__(max_batch_size, window, n_kv_heads, head_dim, dtype, use_custom_op, read_filled)
 
     def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        k_all, v_all = concat_rows(self.k_rows, quantize_rows(k)), concat_rows(self.v_rows, quantize_rows(v))
-        k_pos = self.write_ring(input_pos, list(zip((*self.k_rows, *self.v_rows), (*k_all, *v_all))))
-        return dequantize_rows(k_all, self.dtype), dequantize_rows(v_all, self.dtype), k_pos
+        filled, cached_pos = self.cached_slots(input_pos)
+        k_new, v_new = quantize_rows(k), quantize_rows(v)
+        cached = [QuantizedRows(*(t.narrow(1, 0, filled) for t in rows)) for rows in (self.k_rows, self.v_rows)]
+        k_all, v_all = concat_rows(cached[0], k_new), concat_rows(cached[1], v_new)
+        self.write_ring(input_pos, list(zip((*self.k_rows, *self.v_rows), (*k_new, *v_new))))
+        return dequantize_rows(k_all, self.dtype), dequantize_rows(v_all, self.dtype), torch.cat((cached_pos, input_pos))
 
 
 class QuantizedIOKVCache(IOKVCache):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from etblocks.ops import load_llama_custom_ops
 from etblocks.state.kv import KVCache
 from etblocks.state.spec import RING
 
@@ -11,13 +12,19 @@ from etblocks.state.spec import RING
 class RingKVCache(KVCache):
     """Keeps the last `window` positions; position p lives in slot `p % window`.
 
-    `update` returns the ring's contents followed by the new rows, so a chunk of any length T attends to every
-    key its window needs (up to window - 1 cached plus the chunk itself); then the ring keeps the last `window`
-    positions. Use with a position-masked SDPA (`DynamicSDPA`).
+    `update` returns the ring's filled slots followed by the new rows, so a chunk of any length T attends to every
+    key its window needs (up to window - 1 cached plus the chunk itself); then the chunk's last `window` rows go to
+    their slots, in place. Use with a position-masked SDPA (`DynamicSDPA`, `MaskedCustomSDPA`).
 
+    Until the ring wraps, only the first `min(start, window)` slots can hold an earlier position of the sequence;
+    with `read_filled`, only those are read, so a decode step after a short prompt attends over the prompt, not
+    the whole window. That length comes from data, and XNNPACK delegates no op on such a shape: use it with an
+    SDPA that runs outside the delegate anyway (`MaskedCustomSDPA`).
     Slot positions are stored plus one, so the all-zero state is "empty": ExecuTorch starts mutable buffers at
     zero, whatever their value at export. Only slots holding a position before the chunk are offered to
     attention, so rows left from an earlier sequence are never read after the runner restarts at position 0.
+    The write is `llama::update_cache_with_indices` with `use_custom_op` (in place, in XNNPACK programs), else
+    `index_copy_`, which ExecuTorch runs as a copy of the whole ring.
     """
 
     update_kind = RING
@@ -29,8 +36,14 @@ class RingKVCache(KVCache):
         n_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype = torch.float32,
+        use_custom_op: bool = False,
+        read_filled: bool = False,
     ) -> None:
         super().__init__(max_batch_size, window, n_kv_heads, head_dim, dtype)
+        self.use_custom_op = use_custom_op
+        self.read_filled = read_filled
+        if use_custom_op:
+            load_llama_custom_ops()
 
     @property
     def window(self) -> int:
@@ -54,28 +67,46 @@ class RingKVCache(KVCache):
         self.reset()
 
     def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        k_all = torch.cat((self.k_cache, k), dim=1)
-        v_all = torch.cat((self.v_cache, v), dim=1)
-        k_pos = self.write_ring(input_pos, [(self.k_cache, k_all), (self.v_cache, v_all)])
-        return k_all, v_all, k_pos
+        filled, cached_pos = self.cached_slots(input_pos)
+        k_all = torch.cat((self.k_cache.narrow(1, 0, filled), k), dim=1)
+        v_all = torch.cat((self.v_cache.narrow(1, 0, filled), v), dim=1)
+        self.write_ring(input_pos, [(self.k_cache, k), (self.v_cache, v)])
+        return k_all, v_all, torch.cat((cached_pos, input_pos))
 
-    def write_ring(self, input_pos: torch.Tensor, stores: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Keep the last `window` positions: each `(buffer, rows)` pair's buffer takes its slots from `rows`, the
-        buffer's old contents followed by the chunk's new rows along dim 1. Returns the position of every row
-        of `rows` (-1: not to be read)."""
-        window = self.window
-        start, last = input_pos[:1], input_pos[-1:]
-        cached = self.slot_positions
-        cached_pos = torch.where(cached < start, cached, -1)  # -1: empty, or stale from an older sequence
-        # After the write, slot s holds the latest position p <= last with p % window == s. It is a new row
-        # (at index window + p - start of the concatenation) if p >= start, else the slot keeps its old row.
-        # A gather rather than slicing the last `window` rows: no branch on T, so T stays dynamic in export.
-        # Operands stay non-negative: ExecuTorch's integer remainder follows C (sign of the dividend).
-        slots = torch.arange(window, device=input_pos.device)
-        latest = last - torch.remainder(last + window - slots, window)
-        is_new = latest >= start
-        source = torch.where(is_new, window + latest - start, slots)
+    def cached_slots(self, input_pos: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """How many leading slots to read before a chunk starting at `input_pos[0]` (all, or with `read_filled`
+        the `min(start, window)` that can hold an earlier position, at least one so that export never meets an
+        empty slice), and the position of each (-1: empty, or stale from an older sequence)."""
+        start = input_pos[:1]
+        filled = self.window
+        if self.read_filled:
+            # workaround(executorch 1.5.1): a length from .item() that may be 0 fails in dim_order_from_stride.
+            filled = torch.clamp(start, min=1, max=self.window).item()
+            torch._check(filled >= 1)
+            torch._check(filled <= self.window)
+        cached = self.slot_positions.narrow(0, 0, filled)
+        return filled, torch.where(cached < start, cached, -1)
+
+    def write_ring(self, input_pos: torch.Tensor, stores: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Each `(buffer, rows [B, T, ...])` pair's buffer takes the chunk's last `min(T, window)` rows (the ones
+        the ring keeps) in slots `position % window`; then the slot positions follow."""
+        # min(T, window) as data, not a branch or sym_min on T (export proves no bound on either): T stays dynamic.
+        kept = torch.clamp(input_pos[-1:] - input_pos[:1] + 1, max=self.window).item()
+        torch._check(kept >= 1)
+        torch._check(kept <= self.window)
+        positions = last_rows(input_pos, 0, kept)
+        slots = torch.remainder(positions, self.window)  # positions >= 0: ExecuTorch's remainder follows C's sign
         for buffer, rows in stores:
-            buffer.copy_(rows.index_select(1, source))
-        self.slot_positions_plus_one.copy_(torch.where(is_new, latest + 1, self.slot_positions_plus_one))
-        return torch.cat((cached_pos, input_pos))
+            rows = last_rows(rows, 1, kept)
+            if self.use_custom_op:
+                indices = slots.unsqueeze(0).expand(rows.shape[0], -1)
+                torch.ops.llama.update_cache_with_indices(rows, buffer, 0, indices)
+            else:
+                buffer.index_copy_(1, slots, rows)
+        self.slot_positions_plus_one.index_copy_(0, slots, positions + 1)
+
+
+def last_rows(tensor: torch.Tensor, dim: int, count: int) -> torch.Tensor:
+    """The last `count` entries of `tensor` along `dim`, for a `count` export knows only by its checks."""
+    torch._check(count <= tensor.shape[dim])
+    return tensor.narrow(dim, tensor.shape[dim] - count, count)

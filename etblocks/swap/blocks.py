@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from etblocks.attention.sdpa import SDPA, CustomSDPA, DynamicSDPA, QuantizedCustomSDPA, StaticSDPA
+from etblocks.attention.sdpa import SDPA, CustomSDPA, DynamicSDPA, MaskedCustomSDPA, QuantizedCustomSDPA, StaticSDPA
 from etblocks.state.io import IOKVCache
 from etblocks.state.quantized import QuantizedIOKVCache, QuantizedKVCache, QuantizedRingKVCache
 from etblocks.state.ring import RingKVCache
@@ -34,12 +34,14 @@ def sdpa_and_cache(
         geometry = dict(max_seq_len=ctx.max_seq_len, window=window, dtype=recipe.dtype)
         io_cache = QuantizedIOKVCache(n_kv_heads, head_dim, **geometry) if int8 else IOKVCache(n_kv_heads, head_dim, **geometry)
         return StaticSDPA(scale, softcap, window), io_cache
-    if window is not None:
-        ring = QuantizedRingKVCache if int8 else RingKVCache
-        return DynamicSDPA(scale, softcap, window), ring(ctx.max_batch_size, window, n_kv_heads, head_dim, dtype)
     custom_sdpa = recipe.sdpa == "custom" and softcap is None and not has_sinks
-    geometry = (ctx.max_batch_size, ctx.max_seq_len, n_kv_heads, head_dim, dtype)
     use_custom_op = recipe.cache_update == "custom"
+    if window is not None:
+        ring = (QuantizedRingKVCache if int8 else RingKVCache)(
+            ctx.max_batch_size, window, n_kv_heads, head_dim, dtype, use_custom_op=use_custom_op, read_filled=custom_sdpa
+        )
+        return (MaskedCustomSDPA(scale, sliding_window=window) if custom_sdpa else DynamicSDPA(scale, softcap, window)), ring
+    geometry = (ctx.max_batch_size, ctx.max_seq_len, n_kv_heads, head_dim, dtype)
     if int8:
         cache = QuantizedKVCache(*geometry, use_custom_op=use_custom_op, dequantize=not custom_sdpa)
         return (QuantizedCustomSDPA(scale) if custom_sdpa else DynamicSDPA(scale, softcap)), cache

@@ -23,9 +23,11 @@ class Recipe:
         gather MoE experts takes at most `chunk` tokens per call (its gathered weights grow with T).
     cache: "inplace" keeps every mixer's state in the program as mutable buffers; "io" makes it program inputs and
         its updates outputs (static only: NPUs hold no state between calls).
-    sdpa: "custom" uses `llama::custom_sdpa` where a layer allows it (no softcap, window or sinks), "dynamic" is plain
-        torch masked from positions, "static" is plain torch with the caller's mask (the "io" cache's partner).
-    cache_update: "custom" writes in-place caches with `llama::update_cache`, "index_copy" with `index_copy_`.
+    sdpa: "custom" uses `llama::custom_sdpa` where a layer allows it (no softcap or sinks; sliding windows with a
+        mask from positions), "dynamic" is plain torch masked from positions, "static" is plain torch with the
+        caller's mask (the "io" cache's partner).
+    cache_update: "custom" writes in-place caches with `llama::update_cache` (rings: `update_cache_with_indices`),
+        "index_copy" with `index_copy_`.
     attention: "mha" keeps heads in one tensor; "sha" computes each head on its own (Qualcomm HTP).
     linear: "conv2d" turns the attention projections into 1x1 convolutions (HTP's fastest matmul).
     partition: "hybrid" delegates only the fixed-shape projections and MLP and keeps attention with its in-place

@@ -1,5 +1,6 @@
-"""RingKVCache: an `Attention` with a ring cache of W rows + DynamicSDPA(sliding_window=W), fed in chunks of
-any size (shorter than, equal to and longer than W, then many decode steps past W), matches a full-context
+"""RingKVCache: an `Attention` with a ring cache of W rows + DynamicSDPA(sliding_window=W) (or, in the XNNPACK
+recipe's form, MaskedCustomSDPA over a ring written with `update_cache_with_indices` that reads only its filled
+slots), fed in chunks of any size (shorter than, equal to and longer than W, then many decode steps past W), matches a full-context
 reference computed at once: the same projections, HF's rotary tables and `apply_rotary_pos_emb`, and torch
 SDPA with an explicit sliding-window causal mask (HF `sliding_window_causal_mask_function`). fp32, atol 1e-5.
 """
@@ -16,15 +17,16 @@ from transformers import LlamaConfig
 from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from etblocks.attention import Attention, DynamicSDPA, RotaryEmbedding, default_inv_freq
+from etblocks.attention import Attention, DynamicSDPA, MaskedCustomSDPA, RotaryEmbedding, default_inv_freq
 from etblocks.state import RingKVCache
 
 ATOL = 1e-5
 HEADS, KV_HEADS, HEAD_DIM, DIM, BASE = 4, 2, 8, 32, 10000.0
 SCALE = 0.4
+FORMS = ("dynamic", "custom")  # DynamicSDPA over the whole ring; the xnnpack recipe's custom ops over filled slots
 
 
-def make_block(window: int, bsz: int = 1, seed: int = 0) -> Attention:
+def make_block(window: int, bsz: int = 1, seed: int = 0, form: str = "dynamic") -> Attention:
     g = torch.Generator().manual_seed(seed)
 
     def lin(i, o, bias=False):
@@ -35,12 +37,13 @@ def make_block(window: int, bsz: int = 1, seed: int = 0) -> Attention:
                 m.bias.copy_(0.1 * torch.randn(o, generator=g))
         return m
 
+    custom = form == "custom"
     return Attention(
         HEADS,
         KV_HEADS,
         HEAD_DIM,
-        DynamicSDPA(SCALE, sliding_window=window),
-        RingKVCache(bsz, window, KV_HEADS, HEAD_DIM),
+        MaskedCustomSDPA(SCALE, sliding_window=window) if custom else DynamicSDPA(SCALE, sliding_window=window),
+        RingKVCache(bsz, window, KV_HEADS, HEAD_DIM, use_custom_op=custom, read_filled=custom),
         lin(DIM, HEADS * HEAD_DIM, bias=True),
         lin(DIM, KV_HEADS * HEAD_DIM, bias=True),
         lin(DIM, KV_HEADS * HEAD_DIM, bias=True),
@@ -101,10 +104,12 @@ def run_chunks(block: Attention, x: torch.Tensor, chunks) -> torch.Tensor:
     return torch.cat(outs, dim=1)
 
 
-def assert_ring_matches_full_context(window: int, chunks: list[int], bsz: int = 1, seed: int = 0) -> None:
+def assert_ring_matches_full_context(
+    window: int, chunks: list[int], bsz: int = 1, seed: int = 0, form: str = "dynamic"
+) -> None:
     """Chunked decoding through the ring equals one full-context pass with a sliding-window mask."""
     torch.manual_seed(seed)
-    block = make_block(window, bsz=bsz, seed=seed)
+    block = make_block(window, bsz=bsz, seed=seed, form=form)
     x = torch.randn(bsz, sum(chunks), DIM)
     with torch.no_grad():
         out = run_chunks(block, x, chunks)
@@ -124,8 +129,9 @@ def assert_ring_matches_full_context(window: int, chunks: list[int], bsz: int = 
         (16, [5, 7, 1, 3]),  # window longer than the sequence: plain causal
     ],
 )
-def test_chunked_ring_matches_full_context_sliding_window(window, chunks):
-    assert_ring_matches_full_context(window, chunks, bsz=2)
+@pytest.mark.parametrize("form", FORMS)
+def test_chunked_ring_matches_full_context_sliding_window(window, chunks, form):
+    assert_ring_matches_full_context(window, chunks, bsz=2, form=form)
 
 
 def test_window_matters():
@@ -144,9 +150,10 @@ def test_window_matters():
     window=st.integers(1, 6),
     chunks=st.lists(st.integers(1, 13), min_size=1, max_size=8),
     seed=st.integers(0, 1000),
+    form=st.sampled_from(FORMS),
 )
-def test_random_chunking_matches_full_context(window, chunks, seed):
-    assert_ring_matches_full_context(window, chunks, seed=seed)
+def test_random_chunking_matches_full_context(window, chunks, seed, form):
+    assert_ring_matches_full_context(window, chunks, seed=seed, form=form)
 
 
 def test_update_returns_ring_then_new_rows():
@@ -163,6 +170,16 @@ def test_update_returns_ring_then_new_rows():
     assert torch.equal(k_pos, torch.tensor([3, 4, 2, 5]))
     assert torch.equal(cache.slot_positions, torch.tensor([3, 4, 5]))
     assert cache.k_cache[0, 2, 0, 0] == 10.0
+
+
+def test_update_reads_only_the_slots_filled_before_the_ring_wraps():
+    cache = RingKVCache(1, 8, 1, 2, read_filled=True)
+    k = torch.randn(1, 3, 1, 2)
+    k_all, _, k_pos = cache.update(torch.arange(2), k[:, :2], k[:, :2])
+    assert torch.equal(k_pos, torch.tensor([-1, 0, 1]))  # at position 0 one (empty) slot: never a zero-length slice
+    k_all, _, k_pos = cache.update(torch.tensor([2]), k[:, 2:], k[:, 2:])
+    assert torch.equal(k_pos, torch.tensor([0, 1, 2]))
+    assert torch.equal(k_all, k)
 
 
 def test_reset_and_resize_keep_the_window():
@@ -182,3 +199,17 @@ def test_reset_and_resize_keep_the_window():
     torch.testing.assert_close(again, first, rtol=0, atol=ATOL)
     torch.testing.assert_close(third, first, rtol=0, atol=ATOL)
     assert block.kv_cache.state_dict() == {}
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_new_sequence_never_reads_rows_left_by_the_last_one(form):
+    """The runner restarts at position 0 without clearing state (ExecuTorch keeps mutable buffers): a second
+    sequence fed into a ring that holds a longer first one gives what it gives in a fresh ring."""
+    torch.manual_seed(3)
+    x = torch.randn(1, 7, DIM)
+    used = make_block(4, form=form)
+    with torch.no_grad():
+        run_chunks(used, torch.randn(1, 6, DIM), [5, 1])  # slot 2 keeps position 2 of this sequence
+        reused = torch.cat([used(x[:, a:b], torch.arange(a, b)) for a, b in ((0, 2), (2, 3), (3, 7))], dim=1)
+        expected = run_chunks(make_block(4, form=form), x, [2, 1, 4])
+    torch.testing.assert_close(reused, expected, rtol=0, atol=ATOL)
