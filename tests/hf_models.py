@@ -122,12 +122,22 @@ DELTANET = dict(
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
     linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"],
 )
+MAMBA2 = dict(
+    mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8,
+    shared_intermediate_size=48, layer_types=["linear_attention", "full_attention"],
+)
 HYBRID_FAMILIES: dict[str, tuple[str, dict]] = {
     "qwen3_5_text": ("qwen3_5_text", DELTANET),
     "qwen3_5_moe_text": (
         "qwen3_5_moe_text", dict(num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48, **DELTANET, **MOE)
     ),
     "lfm2": ("lfm2", dict(conv_L_cache=3, layer_types=["conv", "full_attention"])),
+    # Granite 4.0-H: Mamba2 mixers (4 heads in 2 groups, upstream chunk 8 so prompts span several) then attention;
+    # with MoE experts beside the shared MLP and rope, or dense with NoPE attention (Granite 4.0-H's own choice).
+    "granitemoehybrid": (
+        "granitemoehybrid", dict(num_local_experts=8, intermediate_size=32, position_embedding_type="rope", **MAMBA2, **MOE)
+    ),
+    "granitemoehybrid_dense": ("granitemoehybrid", dict(num_local_experts=0, **MAMBA2)),
 }
 FAMILIES.update(HYBRID_FAMILIES)
 

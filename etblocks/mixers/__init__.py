@@ -3,6 +3,7 @@ instead of K/V rows. Same contract as attention (`etblocks.state.mixer`)."""
 
 from etblocks.mixers.delta_rule import ChunkedDeltaRule, DeltaRule, FusedDeltaRule, gated_delta_rule_steps
 from etblocks.mixers.gated_deltanet import GatedDeltaNet, GatedRMSNorm
+from etblocks.mixers.mamba2 import GroupedGatedRMSNorm, Mamba2, ssd_scan, ssd_step
 from etblocks.mixers.short_conv import ShortConv, causal_depthwise_conv
 
 __all__ = [
@@ -14,4 +15,8 @@ __all__ = [
     "ChunkedDeltaRule",
     "FusedDeltaRule",
     "gated_delta_rule_steps",
+    "Mamba2",
+    "GroupedGatedRMSNorm",
+    "ssd_scan",
+    "ssd_step",
 ]

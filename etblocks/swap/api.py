@@ -186,7 +186,7 @@ def _conversions(name: str, module: nn.Module) -> list[Maker]:
             raise UnsupportedModelError(
                 f"{name} is a {type(module).__name__}, a layer keeping recurrent or convolution state, with no etblocks "
                 f"converter and not laid out as one etblocks converts (LFM2's short convolution, Qwen3.5's gated "
-                f"DeltaNet); supported: {MIXERS.supported()}. Register one with @etblocks.register."
+                f"DeltaNet, Mamba2's mixer); supported: {MIXERS.supported()}. Register one with @etblocks.register."
             )
     if converter is not None:
         return [_named(converter, name)]

@@ -1,11 +1,12 @@
-"""Hybrid families (Qwen3.5 and Qwen3.5-MoE: gated DeltaNet + gated attention; LFM2: short convolutions + attention):
+"""Hybrid families (Qwen3.5 and Qwen3.5-MoE: gated DeltaNet + gated attention; LFM2: short convolutions + attention;
+Granite 4.0-H: Mamba2 + attention, with or without MoE):
 their state in the static contract, adapters, 8da4w, QNN readiness and the refusal of state layers etblocks does
 not convert, against untouched transformers and PEFT.
 
 They are `FAMILIES` entries: eager parity and the dynamic XNNPACK program's greedy tokens are in
 `tests/swap/test_hf_families.py`, the static programs (eager and exported, padded tails, save and restore) in
 `tests/export/test_static_programs.py`. A padded call must leave the recurrent state as the real tokens left it:
-padding rows carry position -1, which gated DeltaNet neither decays nor writes with.
+padding rows carry position -1, which gated DeltaNet and Mamba2 neither decay nor write with.
 """
 
 from __future__ import annotations
@@ -26,12 +27,14 @@ from etblocks.backends.qnn.readiness import format_readiness
 from etblocks.errors import UnsupportedModelError
 from etblocks.export import check_readiness
 from etblocks.export.programs import static_program
-from etblocks.swap.hf.adapter import HFAttention, HFGatedDeltaNet, HFShortConv
+from etblocks.swap.hf.adapter import HFAttention, HFGatedDeltaNet, HFMamba2, HFShortConv
 
 NEW_TOKENS = 32
 PROMPT_LENGTHS = (16, 13, 5, 17)
 LOGIT_ATOL = 1e-4
 HYBRIDS = sorted(HYBRID_FAMILIES)
+# The first projection of each hybrid family's state layer: an all-linear adapter must land on it.
+MIXER_PROJECTIONS = (("qwen", ".linear_attn.in_proj_qkv"), ("lfm2", ".conv.in_proj"), ("granite", ".mamba.in_proj"))
 
 
 def test_contract_names_every_state_tensor():
@@ -75,7 +78,7 @@ def test_peft_adapter_switches_like_peft(name, tmp_path):
     model = etblocks.swap(copy.deepcopy(base), backend="xnnpack", max_seq_len=CONTEXT)
     etblocks.load_adapter(model, tmp_path / "B", name="B")
     adapted = {n for n, m in model.named_modules() if hasattr(m, "adapters") and "B" in m.adapters}
-    mixer = ".linear_attn.in_proj_qkv" if name.startswith("qwen") else ".conv.in_proj"
+    mixer = next(projection for family, projection in MIXER_PROJECTIONS if name.startswith(family))
     assert any(n.endswith(mixer) for n in adapted), sorted(adapted)
     result = etblocks.export(model, backend="xnnpack", out=tmp_path / "model.pte")
     runner = etblocks.Runner(result.path, adapters=result.adapters)
@@ -123,14 +126,15 @@ def test_8da4w_program_matches_torchao_eager(name, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen3_5_text", "lfm2"])
+@pytest.mark.parametrize("name", ["qwen3_5_text", "lfm2", "granitemoehybrid_dense"])
 def test_qnn_programs_are_fully_covered(name):
     """16a8w prefill and decode of one state layer and one attention layer: every op has a QNN builder (the
-    chunked delta rule in matmuls and constant masks, no cumsum, triangular solve or int64)."""
+    chunked delta rule and Mamba2's static scan in matmuls and constant masks, no cumsum, triangular solve or
+    int64)."""
     model_type, overrides = HYBRID_FAMILIES[name]
     model = tiny_model(model_type, **{**overrides, **FEW_HEADS})
     etblocks.swap(model, backend="qnn", max_seq_len=CONTEXT, chunk=CHUNK)
-    assert any(isinstance(m, (HFGatedDeltaNet, HFShortConv)) for m in model.modules())
+    assert any(isinstance(m, (HFGatedDeltaNet, HFShortConv, HFMamba2)) for m in model.modules())
     report = check_readiness(model, "qnn")
     text = format_readiness(report)
     for method, readiness in report.items():
@@ -152,14 +156,15 @@ def test_families_with_the_same_layers_convert_by_layout():
 
 
 # Hybrids etblocks does not convert: Qwen3-Next's gated DeltaNet keeps q/k/v/z and b/a in two fused projections,
-# OLMo-Hybrid's has separate q/k/v projections (in a decoder layer named after it); Bamba's layers are Mamba2
+# OLMo-Hybrid's has separate q/k/v projections (in a decoder layer named after it); Jamba's layers are Mamba 1
 # mixers.
 UNCONVERTED = {
     "qwen3_next": (dict(HYBRID_FAMILIES["qwen3_5_moe_text"][1]), "Qwen3NextGatedDeltaNet"),
     "olmo_hybrid": ({}, "OlmoHybridGatedDeltaNet"),
-    "bamba": (
-        dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_expand=1),
-        "BambaMixer",
+    "jamba": (
+        dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=2,
+             mamba_d_state=8, mamba_expand=1),
+        "JambaMambaMixer",
     ),
 }
 
@@ -170,5 +175,36 @@ def test_unconverted_state_layers_are_refused_at_swap_time(model_type):
     model = tiny_model(model_type, **overrides)
     snapshot = snapshot_of(model)
     with pytest.raises(UnsupportedModelError, match=f"model.layers.0.[a-z_]+ is a {layer_class}, a layer keeping recurrent"):
+        etblocks.swap(model, backend="xnnpack", max_seq_len=CONTEXT)
+    assert_untouched(model, snapshot)
+
+
+# Mamba2 mixers of other families (Granite 4.0-H's is a copy of Bamba's) convert by their layout.
+MAMBA2_ATTRIBUTE = {"bamba": "mamba", "zamba2": "mamba", "nemotron_h": "mixer"}
+MAMBA2_BY_LAYOUT = {
+    "bamba": dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_expand=1),
+    "zamba2": dict(mamba_headdim=16, mamba_d_state=8, mamba_expand=1, n_mamba_heads=4, layers_block_type=["mamba", "hybrid"]),
+    "nemotron_h": dict(mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=1, expand=1, hybrid_override_pattern="M*"),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(MAMBA2_BY_LAYOUT))
+def test_mamba2_mixers_of_other_families_convert_by_layout(model_type):
+    original = tiny_model(model_type, **MAMBA2_BY_LAYOUT[model_type])
+    swapped = etblocks.swap(copy.deepcopy(original), backend="xnnpack", max_seq_len=CONTEXT)
+    assert isinstance(swapped.get_submodule("model.layers.0").get_submodule(MAMBA2_ATTRIBUTE[model_type]), HFMamba2)
+    prompt = prompt_ids(20)
+    with torch.no_grad():
+        actual = swapped(prompt, position_ids=torch.arange(20)[None]).logits
+        assert (actual - original(prompt).logits).abs().max().item() <= LOGIT_ATOL
+
+
+def test_mamba2_layout_with_other_numbers_is_refused():
+    """Falcon-H1's mixer is laid out like Mamba2's but gates without a norm (and scales its projection): refused,
+    naming why, and the model is left as it was."""
+    model = tiny_model("falcon_h1", mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8,
+                       mamba_rms_norm=False)
+    snapshot = snapshot_of(model)
+    with pytest.raises(UnsupportedModelError, match="FalconH1Mixer.*not a gated RMSNorm"):
         etblocks.swap(model, backend="xnnpack", max_seq_len=CONTEXT)
     assert_untouched(model, snapshot)

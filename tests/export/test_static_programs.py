@@ -1,7 +1,8 @@
 """The static contract (prefill + decode, caller-owned caches) against untouched transformers.
 
 Tiny llama, qwen3 and gemma3_text (a sliding layer with window 6 and a full layer), and the hybrids qwen3_5_text,
-qwen3_5_moe_text (gated DeltaNet: a convolution window and a recurrent state) and lfm2 (short convolutions): the
+qwen3_5_moe_text (gated DeltaNet: a convolution window and a recurrent state), lfm2 (short convolutions) and
+granitemoehybrid (Mamba2: a convolution window and an SSM state; MoE experts beside a shared MLP): the
 exported static program, driven by `etblocks.Runner`, must generate HF `generate`'s greedy tokens for prompts
 whose length is a multiple of the chunk (16), is not (13: padded prefill tail), is shorter than one chunk (5),
 and leaves a one-token tail that goes through `decode` (17). All but the 5-token prompt are longer than the
@@ -24,7 +25,7 @@ from etblocks.swap.hf.adapter import HFSingleHeadAttention
 
 NEW_TOKENS = 32
 PROMPT_LENGTHS = (16, 13, 5, 17)
-STATIC_FAMILIES = ("llama", "qwen3", "gemma3_text", "qwen3_5_text", "qwen3_5_moe_text", "lfm2")
+STATIC_FAMILIES = ("llama", "qwen3", "gemma3_text", "qwen3_5_text", "qwen3_5_moe_text", "lfm2", "granitemoehybrid")
 # Exported: each backend lowers the layers its own way; Qwen3.5-MoE adds only the dense MoE beside its mixers.
 EXPORTED = [(n, b) for n in STATIC_FAMILIES if n != "qwen3_5_moe_text" for b in ("portable", "xnnpack", "openvino")]
 EXPORTED.append(("qwen3_5_moe_text", "openvino"))

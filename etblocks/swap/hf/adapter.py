@@ -8,6 +8,7 @@ from etblocks.attention.mha import Attention, GatedAttention
 from etblocks.attention.sha import SingleHeadAttention
 from etblocks.attention.shared import KVSharedAttention
 from etblocks.mixers.gated_deltanet import GatedDeltaNet
+from etblocks.mixers.mamba2 import Mamba2
 from etblocks.mixers.short_conv import ShortConv
 
 
@@ -19,7 +20,8 @@ class FedPositions:
     _fed_positions: torch.Tensor | None = None
 
     def take_positions(self, module, args, kwargs) -> None:
-        self._fed_positions = kwargs.get("position_ids")
+        if kwargs.get("position_ids") is not None:
+            self._fed_positions = kwargs["position_ids"]
 
     def call_positions(self, position_ids: torch.Tensor | None) -> torch.Tensor:
         """`position_ids [1, T]` as given, else as handed over; `ValueError` if neither or for a batch."""
@@ -116,13 +118,16 @@ class HFStateCall(FedPositions):
 
 
 def feed_positions(model: torch.nn.Module) -> None:
-    """Hook every `FedPositions` block of `model` to where its positions come from: a state layer to the decoder
-    layer holding it (its parent), an attention block to the model itself (families with absolute position
-    embeddings, GPT-BigCode, XGLM, pass attention none)."""
+    """Hook every `FedPositions` block of `model` to where its positions come from: the model itself (families
+    with absolute position embeddings, GPT-BigCode, XGLM, pass attention none), and for a state layer also the
+    decoder layer holding it (its parent), which gets the positions the model computes when it was given none
+    (Qwen3.5, LFM2; Granite 4.0-H hands its layers none)."""
     for name, module in model.named_modules():
         if isinstance(module, FedPositions):
-            source = model.get_submodule(name.rpartition(".")[0]) if isinstance(module, HFStateCall) else model
-            source.register_forward_pre_hook(module.take_positions, with_kwargs=True)
+            model.register_forward_pre_hook(module.take_positions, with_kwargs=True)
+            if isinstance(module, HFStateCall):
+                parent = model.get_submodule(name.rpartition(".")[0])
+                parent.register_forward_pre_hook(module.take_positions, with_kwargs=True)
 
 
 class HFShortConv(HFStateCall, ShortConv):
@@ -131,3 +136,7 @@ class HFShortConv(HFStateCall, ShortConv):
 
 class HFGatedDeltaNet(HFStateCall, GatedDeltaNet):
     """A `GatedDeltaNet` called the transformers way (Qwen3.5's `linear_attn` layers)."""
+
+
+class HFMamba2(HFStateCall, Mamba2):
+    """A `Mamba2` mixer called the transformers way (Granite 4.0-H's `mamba` layers)."""

@@ -1,4 +1,4 @@
-"""The state layers of hybrid families: LFM2's short convolutions and Qwen3.5's gated DeltaNet.
+"""The state layers of hybrid families: LFM2's short convolutions, Qwen3.5's gated DeltaNet and Mamba2 mixers.
 
 A layer is recognised by its parts, not its class (`state_layout`), so families built from the same layer
 (LFM2-MoE, LFM3, Qwen3.5-MoE) convert without a line of their own; `is_state_layer` finds every layer that keeps
@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from etblocks.mixers.delta_rule import ChunkedDeltaRule, DeltaRule, FusedDeltaRule
-from etblocks.swap.hf.adapter import HFGatedDeltaNet, HFShortConv
+from etblocks.mixers.mamba2 import GroupedGatedRMSNorm
+from etblocks.swap.hf.adapter import HFGatedDeltaNet, HFMamba2, HFShortConv
 from etblocks.swap.registry import SwapContext
 
 # How the class names of layers keeping recurrent or convolution state end (Mamba mixers, linear attention, ...):
@@ -61,6 +62,37 @@ def gated_deltanet(module: nn.Module, ctx: SwapContext) -> HFGatedDeltaNet:
     return block.to(module.in_proj_qkv.weight.device)
 
 
+def mamba2(module: nn.Module, ctx: SwapContext) -> HFMamba2:
+    """The Mamba2 mixer layout (Granite 4.0-H's `GraniteMoeHybridMambaLayer` and the mixers built like it):
+    `in_proj` (D -> gate, x/B/C, dt), a depthwise `conv1d` with SiLU, `A_log`, `D`, `dt_bias`, a gated `norm`
+    (gate, then an RMSNorm per group: moved into a `GroupedGatedRMSNorm`) and `out_proj`."""
+    if getattr(module, "activation", "silu") not in ("silu", "swish"):
+        raise ValueError(f"activation={module.activation!r} after the convolution is not supported; accepted: 'silu'")
+    if not isinstance(getattr(module.norm, "weight", None), torch.Tensor):
+        raise ValueError(f"norm is {type(module.norm).__name__}, not a gated RMSNorm (Falcon-H1 without mamba_rms_norm)")
+    if hasattr(module, "mup_vector"):
+        raise ValueError("a mup_vector scaling the input projection (Falcon-H1's multipliers) is not supported")
+    heads, head_dim, groups, state = module.num_heads, module.head_dim, module.n_groups, module.ssm_state_size
+    expected = 2 * heads * head_dim + 2 * groups * state + heads
+    if module.in_proj.out_features != expected:
+        raise ValueError(
+            f"in_proj gives {module.in_proj.out_features} features; the Mamba2 layout (gate, x, B, C, dt) gives {expected}"
+        )
+    width = heads * head_dim
+    norm_groups = width // getattr(module.norm, "group_size", width)
+    eps = getattr(module.norm, "variance_epsilon", getattr(module.norm, "eps", None))
+    if eps is None:
+        raise ValueError(f"norm {type(module.norm).__name__} names no epsilon (variance_epsilon or eps)")
+    norm = GroupedGatedRMSNorm(module.norm.weight, norm_groups, eps)
+    block = HFMamba2(
+        module.in_proj, module.conv1d, module.A_log, module.D, module.dt_bias, norm, module.out_proj,
+        n_heads=heads, head_dim=head_dim, n_groups=groups, state_size=state,
+        time_step_limit=tuple(getattr(module, "time_step_limit", (0.0, float("inf")))),
+        caller_owned=ctx.caller_owned, max_batch_size=ctx.max_batch_size,
+    )
+    return block.to(module.in_proj.weight.device)
+
+
 def state_layout(module: nn.Module) -> Callable[[nn.Module, SwapContext], nn.Module] | None:
     """The converter for a state layer laid out as one etblocks converts, or None."""
     if _has(module, ("in_proj", "out_proj"), ("conv",)) and isinstance(module.conv, nn.Conv1d):
@@ -70,6 +102,9 @@ def state_layout(module: nn.Module) -> Callable[[nn.Module, SwapContext], nn.Mod
     others = ("conv1d", "A_log", "dt_bias", "norm", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
     if _has(module, gdn, others):
         return gated_deltanet
+    ssm = ("conv1d", "A_log", "D", "dt_bias", "norm", "num_heads", "head_dim", "n_groups", "ssm_state_size")
+    if _has(module, ("in_proj", "out_proj"), ssm):
+        return mamba2
     return None
 
 
