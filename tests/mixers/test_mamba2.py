@@ -13,7 +13,7 @@ from transformers.models.granitemoehybrid.modeling_granitemoehybrid import (
     mamba2_selective_state_update,
 )
 
-from etblocks.mixers import Mamba2
+from etblocks.mixers import GroupedGatedRMSNorm, Mamba2
 from etblocks.mixers.mamba2 import ssd_block, ssd_scan, ssd_step
 from etblocks.state import RecurrentState, WindowState
 
@@ -132,3 +132,15 @@ def test_refuses_parameters_of_the_wrong_shape(upstream):
             upstream.in_proj, upstream.conv1d, upstream.A_log, upstream.D, upstream.dt_bias, upstream.norm,
             upstream.out_proj, n_heads=HEADS, head_dim=upstream.head_dim, n_groups=3, state_size=STATE,
         )
+
+
+@torch.no_grad()
+def test_grouped_gated_norm_matches_upstreams(upstream):
+    """The norm the converter puts in (weight before the scale, so QNN's RMSNorm recomposition leaves it per group)
+    against upstream's `GraniteMoeHybridRMSNormGated` over 2 groups."""
+    norm = GroupedGatedRMSNorm(upstream.norm.weight, GROUPS, upstream.norm.variance_epsilon)
+    generator = torch.Generator().manual_seed(4)
+    x, gate = (torch.randn(1, 7, upstream.intermediate_size, generator=generator) for _ in range(2))
+    assert relative_error(norm(x, gate), upstream.norm(x, gate)) <= 1e-6
+    whole_width = GroupedGatedRMSNorm(upstream.norm.weight, 1, upstream.norm.variance_epsilon)
+    assert relative_error(whole_width(x, gate), upstream.norm(x, gate)) > 1e-3  # the groups matter
