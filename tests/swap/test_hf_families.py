@@ -7,7 +7,7 @@ import torch
 from hf_models import FALLBACK_FAMILIES, FAMILIES, HYBRID_FAMILIES, KV_SHARED_FAMILIES, family_variant, hf_greedy, original_and_copy, prompt_ids, swapped_family
 
 import etblocks
-from etblocks.attention import CustomSDPA, DynamicSDPA
+from etblocks.attention import CustomSDPA, DynamicSDPA, MaskedCustomSDPA
 from etblocks.state import RingKVCache
 from etblocks.swap.hf.adapter import HFCall, HFStateCall
 
@@ -88,12 +88,17 @@ def test_fallback_family_exports(tmp_path):
 
 
 def test_recipe_picks_blocks_per_layer():
-    """xnnpack: custom SDPA on full layers, ring cache + position-masked SDPA on sliding layers."""
+    """xnnpack: custom SDPA on full layers; on sliding layers a ring cache written in place and read up to its filled
+    slots, with custom SDPA under a mask from positions. portable: the plain-torch masked SDPA over the whole ring."""
     _, swapped = swapped_family("gemma3_text", "xnnpack", max_seq_len=64)
     sliding, full = (layer.self_attn for layer in swapped.model.layers)
     assert isinstance(sliding.kv_cache, RingKVCache) and sliding.kv_cache.window == FAMILIES["gemma3_text"][1]["sliding_window"]
-    assert isinstance(sliding.sdpa, DynamicSDPA)
+    assert isinstance(sliding.sdpa, MaskedCustomSDPA)
+    assert sliding.kv_cache.use_custom_op and sliding.kv_cache.read_filled
     assert isinstance(full.sdpa, CustomSDPA) and full.kv_cache.max_seq_len == 64
+    _, portable = swapped_family("gemma3_text", "portable", max_seq_len=64)
+    sliding = portable.model.layers[0].self_attn
+    assert isinstance(sliding.sdpa, DynamicSDPA) and not (sliding.kv_cache.use_custom_op or sliding.kv_cache.read_filled)
 
 
 def test_state_dict_keeps_upstream_names_and_shares_weights():
