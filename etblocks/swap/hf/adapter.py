@@ -20,6 +20,10 @@ class FedPositions:
     _fed_positions: torch.Tensor | None = None
 
     def take_positions(self, module, args, kwargs) -> None:
+        self._fed_positions = kwargs.get("position_ids")
+
+    def take_given_positions(self, module, args, kwargs) -> None:
+        """`take_positions` from a module called inside the model's call: keeps the model's when it has none."""
         if kwargs.get("position_ids") is not None:
             self._fed_positions = kwargs["position_ids"]
 
@@ -127,7 +131,7 @@ def feed_positions(model: torch.nn.Module) -> None:
             model.register_forward_pre_hook(module.take_positions, with_kwargs=True)
             if isinstance(module, HFStateCall):
                 parent = model.get_submodule(name.rpartition(".")[0])
-                parent.register_forward_pre_hook(module.take_positions, with_kwargs=True)
+                parent.register_forward_pre_hook(module.take_given_positions, with_kwargs=True)
 
 
 class HFShortConv(HFStateCall, ShortConv):
