@@ -104,12 +104,10 @@ class QuantizedRingKVCache(_Int8Buffers, RingKVCache):
         super().__init__(max_batch_size, window, n_kv_heads, head_dim, dtype, use_custom_op, read_filled)
 
     def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        filled, cached_pos = self.cached_slots(input_pos)
-        k_new, v_new = quantize_rows(k), quantize_rows(v)
-        cached = [QuantizedRows(*(t.narrow(1, 0, filled) for t in rows)) for rows in (self.k_rows, self.v_rows)]
-        k_all, v_all = concat_rows(cached[0], k_new), concat_rows(cached[1], v_new)
-        self.write_ring(input_pos, list(zip((*self.k_rows, *self.v_rows), (*k_new, *v_new))))
-        return dequantize_rows(k_all, self.dtype), dequantize_rows(v_all, self.dtype), torch.cat((cached_pos, input_pos))
+        new_rows = (*quantize_rows(k), *quantize_rows(v))
+        read, k_pos = self.read_then_write(input_pos, list(zip((*self.k_rows, *self.v_rows), new_rows)))
+        k_all, v_all = QuantizedRows(*read[:3]), QuantizedRows(*read[3:])
+        return dequantize_rows(k_all, self.dtype), dequantize_rows(v_all, self.dtype), k_pos
 
 
 class QuantizedIOKVCache(IOKVCache):

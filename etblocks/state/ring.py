@@ -67,25 +67,30 @@ class RingKVCache(KVCache):
         self.reset()
 
     def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        filled, cached_pos = self.cached_slots(input_pos)
-        k_all = torch.cat((self.k_cache.narrow(1, 0, filled), k), dim=1)
-        v_all = torch.cat((self.v_cache.narrow(1, 0, filled), v), dim=1)
-        self.write_ring(input_pos, [(self.k_cache, k), (self.v_cache, v)])
-        return k_all, v_all, torch.cat((cached_pos, input_pos))
+        (k_all, v_all), k_pos = self.read_then_write(input_pos, [(self.k_cache, k), (self.v_cache, v)])
+        return k_all, v_all, k_pos
 
-    def cached_slots(self, input_pos: torch.Tensor) -> tuple[int, torch.Tensor]:
-        """How many leading slots to read before a chunk starting at `input_pos[0]` (all, or with `read_filled`
-        the `min(start, window)` that can hold an earlier position, at least one so that export never meets an
-        empty slice), and the position of each (-1: empty, or stale from an older sequence)."""
+    def read_then_write(
+        self, input_pos: torch.Tensor, stores: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """For each `(buffer, rows [B, T, ...])` pair, what attention reads: the buffer's slots to read followed by
+        the call's rows; then `write_ring`. Also returns the position of every row read (-1: empty, or stale from
+        an older sequence). Read are all slots, or with `read_filled` the `min(start, window)` that can hold an
+        earlier position (at least one, so that export never meets an empty slice)."""
         start = input_pos[:1]
-        filled = self.window
+        cached = self.slot_positions
         if self.read_filled:
             # workaround(executorch 1.5.1): a length from .item() that may be 0 fails in dim_order_from_stride.
             filled = torch.clamp(start, min=1, max=self.window).item()
             torch._check(filled >= 1)
             torch._check(filled <= self.window)
-        cached = self.slot_positions.narrow(0, 0, filled)
-        return filled, torch.where(cached < start, cached, -1)
+            cached = cached.narrow(0, 0, filled)
+            stores_read = [(buffer.narrow(1, 0, filled), rows) for buffer, rows in stores]
+        else:
+            stores_read = stores
+        read = [torch.cat(pair, dim=1) for pair in stores_read]
+        self.write_ring(input_pos, stores)
+        return read, torch.cat((torch.where(cached < start, cached, -1), input_pos))
 
     def write_ring(self, input_pos: torch.Tensor, stores: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Each `(buffer, rows [B, T, ...])` pair's buffer takes the chunk's last `min(T, window)` rows (the ones
