@@ -20,9 +20,8 @@ import gc
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -30,6 +29,7 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     Bench,
     Checks,
     Driver,
+    EagerDriver,
     PathSpec,
     RebuiltWhenPickled,
     Row,
@@ -85,26 +85,6 @@ class GenerationExportDriver(RebuiltWhenPickled):
         outputs = run_method(self.decode_method, [*inputs, *self.cache])
         logits, *self.cache = outputs[-self.decode_leaves :]
         return argmax_last(logits)
-
-
-class EagerDriver(RebuiltWhenPickled):
-    """The transformers model in eager PyTorch with a DynamicCache (reference only), `build_model(bench)`."""
-
-    def __init__(self, build_model: Callable[[Bench], torch.nn.Module], bench: Bench):
-        self.model = build_model(bench)
-        self.cache: Any = None
-
-    @torch.no_grad()
-    def prefill(self, prompt: list[int]) -> int:
-        out = self.model(input_ids=torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
-        self.cache = out.cache
-        return argmax_last(out.logits)
-
-    @torch.no_grad()
-    def decode(self, token: int, pos: int) -> int:
-        out = self.model(input_ids=torch.tensor([[token]]), cache=self.cache, position_ids=torch.tensor([[pos]]))
-        self.cache = out.cache
-        return argmax_last(out.logits)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -318,6 +318,27 @@ class TokensPosDriver(RebuiltWhenPickled):
 
 
 
+class EagerDriver(RebuiltWhenPickled):
+    """The transformers model in eager PyTorch with its default cache (a reference row, nothing exported),
+    `build_model(bench)`."""
+
+    def __init__(self, build_model: Callable[[Bench], torch.nn.Module], bench: Bench):
+        self.model = build_model(bench)
+        self.cache: Any = None
+
+    @torch.no_grad()
+    def prefill(self, prompt: list[int]) -> int:
+        out = self.model(input_ids=torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
+        self.cache = out.cache
+        return argmax_last(out.logits)
+
+    @torch.no_grad()
+    def decode(self, token: int, pos: int) -> int:
+        out = self.model(input_ids=torch.tensor([[token]]), cache=self.cache, position_ids=torch.tensor([[pos]]))
+        self.cache = out.cache
+        return argmax_last(out.logits)
+
+
 # --------------------------------------------------------------------------------------------------
 # Shared builders: etblocks' export, transformers' static-cache export, ExecuTorch's llama example
 

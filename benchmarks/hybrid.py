@@ -57,6 +57,7 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     Bench,
     Checks,
     Driver,
+    EagerDriver,
     PathSpec,
     RebuiltWhenPickled,
     Row,
@@ -106,7 +107,8 @@ def log(message: str) -> None:
 
 @dataclass(frozen=True)
 class Family:
-    """One model family: its transformers config at the full size, and how ExecuTorch's example exports it."""
+    """One model family: its transformers config at the full size, and how ExecuTorch's example exports it (`example`
+is None for a family ExecuTorch has no example of: rows (b) and (d) are then unavailable)."""
 
     key: str
     label: str
@@ -114,12 +116,12 @@ class Family:
     model_class: str
     config: Mapping[str, Any]  # transformers config fields besides the layers
     layer_types: tuple[str, ...]
-    example: str  # executorch.examples.models.<example>
-    example_model_class: str  # export_llm's base.model_class
-    example_yamls: Mapping[str | None, str]  # the example's config file per quantization
-    example_dynamic: bool  # whether the example's yaml exports a dynamic prompt length
-    example_resets_state: bool  # whether the example's program clears its state at input_pos 0
     tiny: Mapping[str, Any]  # `--shape tiny`: config fields that make the model small enough for a smoke run
+    example: str | None = None  # executorch.examples.models.<example>
+    example_model_class: str = ""  # export_llm's base.model_class
+    example_yamls: Mapping[str | None, str] = dataclasses.field(default_factory=dict)  # config file per quantization
+    example_dynamic: bool = True  # whether the example's yaml exports a dynamic prompt length
+    example_resets_state: bool = True  # whether the example's program clears its state at input_pos 0
     shares_kv: bool = False  # Gemma 3n/4: the last layers read an earlier layer's keys and values
     min_context: int = 0  # the shortest `--max-seq-len` the example exports at
     context: int = 512  # `--max-seq-len` by default
@@ -195,7 +197,27 @@ GEMMA4 = Family(
     context=1024,  # export_gemma4's default
 )
 
-FAMILIES = {f.key: f for f in (QWEN3_5, LFM2, GEMMA4)}
+# Granite 4.0-H-Micro: sizes from the Granite 4.0 model card (3B dense; 36 Mamba2 and 4 attention layers, hidden
+# 2048, 32/8 heads of 64, Mamba2 state 128 over 64 heads, MLP 8192, NoPE); layers in groups of nine Mamba2 then one
+# attention, as IBM describes the stack; the multipliers are Granite 4.0's (with random weights they only scale).
+GRANITE4H = Family(
+    key="granitemoehybrid",
+    label="Granite-4.0-H-Micro",
+    config_class="GraniteMoeHybridConfig",
+    model_class="GraniteMoeHybridForCausalLM",
+    config=dict(
+        vocab_size=100352, hidden_size=2048, shared_intermediate_size=8192, num_local_experts=0, num_experts_per_tok=0,
+        num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, position_embedding_type="nope",
+        mamba_n_heads=64, mamba_n_groups=1, mamba_d_state=128, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256,
+        mamba_conv_bias=True, mamba_proj_bias=False, embedding_multiplier=12.0, logits_scaling=8.0,
+        residual_multiplier=0.22, attention_multiplier=0.015625, tie_word_embeddings=True,
+    ),
+    layer_types=(("linear_attention",) * 9 + ("full_attention",)) * 4,
+    tiny=dict(vocab_size=512, hidden_size=64, shared_intermediate_size=128, num_attention_heads=4,
+              num_key_value_heads=2, mamba_n_heads=4, mamba_d_state=16),
+)
+
+FAMILIES = {f.key: f for f in (QWEN3_5, LFM2, GEMMA4, GRANITE4H)}
 E2B_KV_SHARED = (20, 35)  # Gemma 4 E2B: the last 20 of 35 layers read an earlier layer's keys and values
 
 
@@ -268,7 +290,8 @@ def build_model(bench: HybridBench) -> torch.nn.Module:
     return model_class(bench)(config).to(torch.float32).eval()
 
 
-REFERENCE_SCHEMES = {"a": "etblocks"}  # how each row quantizes, when not as ExecuTorch's example ("example")
+# how each row quantizes, when not as ExecuTorch's example ("example")
+REFERENCE_SCHEMES = {"a": "etblocks", "f": "etblocks", "g": "etblocks"}
 
 
 def reference_scheme(key: str, quantize: str | None) -> str:
@@ -346,11 +369,13 @@ def state_bytes(config: Any, kind: str, context: int, kv_width: int = 0, bytes_p
       ..., kv shared    0                                                    (reads an earlier layer's)
       conv (LFM2)       (L_cache - 1) * hidden                               (the short conv's window)
       linear_attention  (conv_kernel - 1) * (2 * key_dim + value_dim)        (the conv window over q, k, v)
-                        + v_heads * k_head_dim * v_head_dim                  (the DeltaNet recurrent matrix)
+       (DeltaNet)       + v_heads * k_head_dim * v_head_dim                  (the DeltaNet recurrent matrix)
+      linear_attention  (d_conv - 1) * (expand * hidden + 2 * groups * d_state)   (the conv window over x, B, C)
+       (Mamba2)         + n_heads * d_head * d_state                               (the SSM state)
 
     Programs may keep more: transformers and ExecuTorch's Qwen3.5 example keep conv_kernel rows, not
-    conv_kernel - 1; ExecuTorch's LFM2 example keeps L_cache - 1; ExecuTorch's Gemma 4 example keeps the whole
-    context for sliding layers too."""
+    conv_kernel - 1 (Mamba2 too); ExecuTorch's LFM2 example keeps L_cache - 1; ExecuTorch's Gemma 4 example keeps
+    the whole context for sliding layers too."""
     if kind.endswith(", kv shared"):
         return 0
     if kind == "full_attention":
@@ -359,6 +384,10 @@ def state_bytes(config: Any, kind: str, context: int, kv_width: int = 0, bytes_p
         return 2 * min(context, config.sliding_window) * kv_width * bytes_per_value
     if kind == "conv":
         return (config.conv_L_cache - 1) * config.hidden_size * bytes_per_value
+    if kind == "linear_attention" and hasattr(config, "mamba_d_state"):
+        channels = config.mamba_expand * config.hidden_size + 2 * config.mamba_n_groups * config.mamba_d_state
+        recurrent = config.mamba_n_heads * config.mamba_d_head * config.mamba_d_state
+        return ((config.mamba_d_conv - 1) * channels + recurrent) * bytes_per_value
     if kind == "linear_attention":
         key_dim = config.linear_num_key_heads * config.linear_key_head_dim
         value_dim = config.linear_num_value_heads * config.linear_value_head_dim
@@ -390,7 +419,8 @@ def state_table(bench: HybridBench) -> tuple[str, dict[str, Any]]:
     all_full = {c: len(family.layer_types) * full_layer[c] for c in STATE_CONTEXTS}
     headers = ["layer (fp32 state)", "layers", *(f"ctx {c}" for c in STATE_CONTEXTS),
                *(f"vs full attn @{c}" for c in STATE_CONTEXTS)]
-    lines = [[kind, str(counts[kind]), *(_bytes(per_layer[kind][c]) for c in STATE_CONTEXTS),
+    mixer = " (Mamba2)" if hasattr(config, "mamba_d_state") else " (DeltaNet)"
+    lines = [[kind + mixer * (kind == "linear_attention"), str(counts[kind]), *(_bytes(per_layer[kind][c]) for c in STATE_CONTEXTS),
               *(f"{per_layer[kind][c] / full_layer[c]:.3f}x" for c in STATE_CONTEXTS)]
              for kind in kinds]
     lines.append([f"{family.label} (all {len(family.layer_types)} layers)", str(len(family.layer_types)),
@@ -567,7 +597,7 @@ def path_etblocks(bench: HybridBench, row: Row) -> Driver:
 def path_etblocks_chunked(bench: HybridBench, row: Row) -> Driver:
     """(f) (a) with `delta_rule="chunked"`: gated DeltaNet's recurrence in matmuls (the form every other backend
     runs) instead of ExecuTorch's fused `llama::gated_delta_rule` kernel, measured against it on XNNPACK."""
-    if "linear_attention" not in bench.layer_types:
+    if bench.family != QWEN3_5.key or "linear_attention" not in bench.layer_types:
         raise Unavailable(f"{bench.family} has no gated DeltaNet layer: no delta rule to choose")
     return etblocks_driver(bench, row, f"f_etblocks_chunked_{tag(bench)}.pte", {"delta_rule": "chunked"})
 
@@ -736,9 +766,20 @@ class Gemma4ExampleDriver(RebuiltWhenPickled):
         return self._step([token], pos)
 
 
+def example_family(bench: HybridBench) -> Family:
+    """The bench's family, when ExecuTorch has an example of it (else the row is unavailable)."""
+    family = FAMILIES[bench.family]
+    if family.example is None:
+        from executorch.version import __version__
+
+        raise Unavailable(f"ExecuTorch {__version__} has no example of {family.label} (no {family.key} model)")
+    return family
+
+
 def path_example(bench: HybridBench, row: Row) -> Driver:
     """(b) ExecuTorch's example of the family, as its README's export_llm command exports it (module docstring);
     Gemma 4's as its export script does (`export_gemma4_example`)."""
+    example_family(bench)
     if bench.family == GEMMA4.key:
         path = export_gemma4_example(bench, row, f"b_example_{tag(bench)}.pte")
         return Gemma4ExampleDriver(path, bench.shape.hidden)
@@ -748,7 +789,7 @@ def path_example(bench: HybridBench, row: Row) -> Driver:
 
 def path_example_dynamic(bench: HybridBench, row: Row) -> Driver:
     """(d) (b) with `model.enable_dynamic_shape=True`, for an example whose config exports static shapes."""
-    family = FAMILIES[bench.family]
+    family = example_family(bench)
     if family.example_dynamic:
         raise Unavailable(f"{family.key}'s example already exports a dynamic prompt length: row (b)")
     path, dynamic_shape = export_example(bench, row, f"d_example_dynamic_{tag(bench)}.pte", dynamic=True)
@@ -809,6 +850,18 @@ def path_hf_static_cache(bench: HybridBench, row: Row) -> Driver:
         raise Unavailable(one_line(e)) from e
 
 
+def build_eager_model(bench: HybridBench) -> torch.nn.Module:
+    """Row (g)'s model: the eager reference model of the setting (quantized as etblocks quantizes for 8da4w)."""
+    return build_reference_model(bench, reference_scheme("g", bench.quantize))
+
+
+def path_eager(bench: HybridBench, row: Row) -> Driver:
+    """(g) the transformers model in eager PyTorch with its own cache (nothing exported): the speed a user of plain
+    transformers gets on this CPU."""
+    row.note = "no export" + (f"; torchao {bench.quantize} tensors in eager PyTorch" if bench.quantize else "")
+    return EagerDriver(build_eager_model, bench)
+
+
 PATHS: list[PathSpec] = [
     PathSpec("a", "etblocks xnnpack", path_etblocks),
     PathSpec("b", "ExecuTorch example", path_example),
@@ -816,6 +869,7 @@ PATHS: list[PathSpec] = [
     PathSpec("d", "ExecuTorch example, dynamic shape", path_example_dynamic),
     PathSpec("e", "transformers static-cache export", path_hf_static_cache),
     PathSpec("f", "etblocks xnnpack, chunked delta rule", path_etblocks_chunked),
+    PathSpec("g", "transformers eager", path_eager, default=False),
 ]
 
 
