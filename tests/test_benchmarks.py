@@ -5,6 +5,7 @@ script works and that it fails when its outputs are wrong."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -31,9 +32,20 @@ SCRIPTS = {
     "hybrid": "f",
     # ExecuTorch's Gemma 4 example on a tiny 6-layer stack (one KV-shared layer), prompt longer than the window
     "hybrid --family gemma4 --layers 6 --rows a,b --max-seq-len 1024 --prompts 12": "b",
+    # Granite 4.0-H (one Mamba2 and one attention layer): etblocks' program against the eager model's row
+    "hybrid --family granitemoehybrid --rows a,g": "g",
 }
 VERSIONS = {"torch", "executorch", "torchao", "transformers", "etblocks"}
 CPU_FLAGS = {"avx2", "avx512f", "avx512_vnni", "amx_int8"}
+
+
+def benchmark_module(name: str):
+    """A module of benchmarks/ (not a package: the scripts import each other from their own folder)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
 
 
 def run_smoke(smoke: str, out: Path, break_row: str) -> subprocess.CompletedProcess:
@@ -106,11 +118,7 @@ def test_rendered_docs_are_current():
 
 
 def test_token_check_and_its_break_switch(monkeypatch):
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import harness
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    harness = benchmark_module("harness")
     monkeypatch.delenv(harness.BREAK_ROW_ENV, raising=False)
     check = harness.check_tokens("a", [5, 6, 7], [5, 6, 8], "eager")
     assert (check.ok, check.matching, check.first_difference) == (False, 2, 2)
@@ -139,3 +147,30 @@ def test_kv_sharing_report_counts_the_caches_of_each_program(tmp_path):
         sources, layers = (20, 30) if name.startswith("gemma3n") else (15, 35)
         assert figure["tensors"] == [2 * sources, 2 * layers], name
         assert figure["shared_bytes"] < figure["per_layer_bytes"], name
+
+
+def test_hybrid_state_bytes_are_what_a_swapped_granite_program_keeps():
+    """`benchmarks/hybrid.py`'s state table for Granite 4.0-H: a Mamba2 layer's formula (conv window of d_conv - 1
+    rows over x/B/C, fp32 SSM state) and a full-attention layer's K/V rows equal the bytes of the states etblocks
+    declares for those layers of the swapped tiny model, at the context it is swapped for."""
+    hybrid = benchmark_module("hybrid")
+    import etblocks
+    from etblocks.state.base import State
+
+    family = hybrid.FAMILIES["granitemoehybrid"]
+    layer_types, _ = hybrid.cut_layer_types(family, 2)
+    bench = hybrid.HybridBench(benchmark_module("harness").Shape(), [], 1, 1, Path(), 0, 0.02, family=family.key,
+                               tiny=True, layer_types=layer_types)
+    model = hybrid.build_model(bench)
+    config = model.config
+    etblocks.swap(model, backend="xnnpack", max_seq_len=64)
+    kept = {}
+    for name, module in model.named_modules():
+        if isinstance(module, State):
+            layer = int(name.split("layers.")[1].split(".")[0])
+            kept[layer] = kept.get(layer, 0) + sum(s.zeros().nbytes for s in module.specs())
+    assert layer_types == ("linear_attention", "full_attention")
+    assert kept[0] == hybrid.state_bytes(config, "linear_attention", 64)
+    width = hybrid.kv_widths(bench)["full_attention"]
+    assert kept[1] == hybrid.state_bytes(config, "full_attention", 64, width)
+
