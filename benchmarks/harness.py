@@ -37,7 +37,8 @@ from typing import Any, Protocol
 
 import torch
 
-from etblocks.export.runner import greedy_token, run_method
+from etblocks.export.runner import run_method
+from etblocks.export.sampling import greedy_token
 from etblocks.ops import load_kernels
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"

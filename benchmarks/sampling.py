@@ -1,6 +1,6 @@
 """Nucleus sampling's cost per token: etblocks' `sample` beside the textbook torch form, over a 49k vocabulary.
 
-Rows: (a) `etblocks.export.runner.sample` (numpy: the nucleus from a partial sort of the top 256 tokens, or a sort of
+Rows: (a) `etblocks.export.sampling.sample` (numpy: the nucleus from a partial sort of the top 256 tokens, or a sort of
 the probabilities' values when it is larger; one uniform draw through its CDF) and (b) torch's softmax, sort of the
 whole vocabulary, cumsum, masked_fill and multinomial. Per case (logits = N(0, 1) * scale; larger scale, smaller
 nucleus): the nucleus size and microseconds per token, medians [min-max] of `--rounds` interleaved rounds of
@@ -33,7 +33,7 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     spread_record,
 )
 
-from etblocks.export.runner import _nucleus, sample
+from etblocks.export.sampling import _nucleus, sample
 
 VOCAB = 49152  # SmolLM2's
 CASES = [(scale, top_p) for scale in (1.0, 4.0, 12.0) for top_p in (0.9, 1.0)]  # flat to peaked

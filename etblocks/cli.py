@@ -174,7 +174,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         model, backend=backend, out=out, max_seq_len=info.max_seq_len, bos_id=options["bos_id"],
         eos_ids=options["eos_ids"], quantize_weights=options["quantize_weights"], group_size=options["group_size"],
         quantize_embedding=options["quantize_embedding"], quantize_activations=options["quantize_activations"],
-        calibration=calibration, backend_options=backend_options, tokenizer=tokenizer,
+        calibration=calibration, backend_options=backend_options, tokenizer=tokenizer, max_draft=options["max_draft"],
     )
     seconds = {"swap": swap_seconds, **result.seconds}
     print(_export_summary(result, model_name, seconds), flush=True)
@@ -351,6 +351,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     stopped = "EOS" if new_ids and new_ids[-1] in eos_ids else "max_new_tokens"
     summary = (f"{len(new_ids)} tokens in {elapsed:.2f} s ({len(new_ids) / max(elapsed, 1e-9):.1f} tok/s incl. "
                f"prefill); stopped at {stopped}")
+    if runner.last_speculation is not None:
+        summary += _speculation_summary(runner.last_speculation)
     print(summary, file=sys.stderr if text else sys.stdout, flush=True)
     return 0
 
@@ -433,8 +435,17 @@ def _adapter_file(options: Resolved, runner, name: str, file: str | None) -> Pat
 
 
 def _generation(options: Resolved) -> dict[str, Any]:
-    return {"max_new_tokens": options["max_new_tokens"], "temperature": options["temperature"],
-            "top_p": options["top_p"], "seed": options["seed"], "eos": options["eos_ids"]}
+    generation = {"max_new_tokens": options["max_new_tokens"], "temperature": options["temperature"],
+                  "top_p": options["top_p"], "seed": options["seed"], "eos": options["eos_ids"],
+                  "speculate": options["speculate"]}
+    if options["max_draft"] is not None:
+        generation["max_draft"] = options["max_draft"]
+    return generation
+
+
+def _speculation_summary(stats) -> str:
+    return (f"; speculation: {stats.accepted} of {stats.drafted} proposed tokens kept ({stats.acceptance_rate:.0%}), "
+            f"{stats.tokens_per_call:.2f} tokens per call")
 
 
 def _overflow(exc: ContextOverflowError, options: Resolved, chat: bool = False) -> ConfigError:

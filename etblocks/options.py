@@ -285,6 +285,12 @@ OPTIONS_LIST = (
     Option("adapter", GENERATE, adapter_choice, "run with this LoRA adapter: NAME (exported next to the .pte) or NAME=FILE.ptd",
            metavar="NAME"),
     Option("adapter_scale", GENERATE, number, "multiply the adapter's update by S (default: 1)", kind=float, metavar="S"),
+    choice("speculate", GENERATE, ("prompt_lookup",), "speculative decoding: propose the tokens that followed the "
+           "latest earlier occurrence of the text's end and check them in one call (same tokens at temperature 0, same "
+           "distribution when sampling)", none=True),
+    Option("max_draft", EXPORT + GENERATE, int_at_least(1), "speculative decoding: export: a dynamic program also gets a "
+           "verify method that checks up to N proposed tokens per call; run, chat: propose up to N per call with "
+           "--speculate (default: 4)", kind=int, metavar="N"),
     Option("decode_tail", GENERATE, int_at_least(1), "static programs: a prompt remainder of at most this many tokens goes "
            "through decode instead of a padded prefill (default: chunk // 8)", kind=int, metavar="N"),
 )

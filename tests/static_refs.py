@@ -9,7 +9,7 @@ from etblocks.export.feeders import StaticFeeder
 from etblocks.export.programs import static_program
 
 CHUNK = 8
-CONTEXT = 64
+CONTEXT = 96  # room for the speculation tests: a 22-token prompt and 64 new tokens
 
 
 def swap_static(name: str, backend: str, **options):

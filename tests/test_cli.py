@@ -216,6 +216,23 @@ def test_run_sampling_is_reproducible_with_seed(demo_export, capsys):
 
 
 @pytest.mark.slow
+def test_export_with_max_draft_and_run_with_speculation(demo_hf, tmp_path, capsys):
+    """`--max-draft` gives the program a verify method; `run --speculate prompt_lookup` (flag or YAML key) prints
+    HF generate's greedy tokens and how many proposals the program kept."""
+    pte = tmp_path / "spec.pte"
+    assert main(["export", "--model", "demo", "--out", str(pte), "--max-seq-len", "64", "--max-draft", "3"]) == 0
+    assert "verify" in capsys.readouterr().out
+    prompt = [5, 9, 30, 7, 11, 5, 9, 30, 7, 11, 5, 9]
+    (tmp_path / "run.yaml").write_text(f"pte: {pte}\nspeculate: prompt_lookup\nmax_draft: 3\nmax_new_tokens: 24\n")
+    for args in (["--pte", str(pte), "--speculate", "prompt_lookup", "--max-draft", "3", "--max-new-tokens", "24"],
+                 ["--config", str(tmp_path / "run.yaml")]):
+        assert main(["run", "--prompt-ids", ",".join(map(str, prompt)), *args]) == 0
+        out = capsys.readouterr().out
+        assert ids_line(out, "generated ids") == hf_greedy(demo_hf, prompt, 24)
+        assert re.search(r"speculation: \d+ of [1-9]\d* proposed tokens kept \(\d+%\), \d+\.\d\d tokens per call", out), out
+
+
+@pytest.mark.slow
 def test_run_overflowing_the_context_exits_2(demo_export, capsys):
     _, pte, _ = demo_export
     code = main(["run", "--pte", str(pte), "--prompt-ids", "1,2,3", "--max-new-tokens", str(MAX_SEQ_LEN)])

@@ -4,7 +4,8 @@ from etblocks.export.accuracy import AccuracyReport, EagerModel, next_token_agre
 from etblocks.export.contract import StaticContract
 from etblocks.export.delegation import DelegationSummary
 from etblocks.export.driver import ExportPlan, ExportResult, check_readiness, export
-from etblocks.export.runner import Runner, sample
+from etblocks.export.runner import Runner
+from etblocks.export.sampling import sample
 
 __all__ = [
     "export",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -26,8 +26,16 @@ from etblocks.export.adapters import (
 )
 from etblocks.export.delegation import DelegationSummary, summarize
 from etblocks.export.hybrid import attention_on_cpu
-from etblocks.export.programs import DynamicProgram, StaticProgram, dynamic_program, static_program
+from etblocks.export.programs import (
+    DynamicProgram,
+    StaticProgram,
+    check_verifiable,
+    dynamic_program,
+    static_program,
+    verify_program,
+)
 from etblocks.export.quantize import quantize_static
+from etblocks.export.speculate import MAX_VERIFY_METHOD, VERIFY_METHOD
 from etblocks.export.text import checkpoint_tokenizer, load_tokenizer, save_tokenizer
 from etblocks.export.weights import WeightQuantization, quantized_weights, weight_quantization
 from etblocks.ops import load_llama_custom_ops
@@ -82,6 +90,7 @@ class ExportPlan:
     weights: WeightQuantization | None = None
     activations: str | None = None
     calibration: list[list[int]] | None = None
+    max_draft: int | None = None  # dynamic programs: a `verify` method for this many proposed tokens
     say: Progress = field(default=lambda message: None, repr=False)
 
     @property
@@ -107,6 +116,7 @@ def export(
     backend_options: Mapping[str, Any] | None = None,
     progress: Progress | bool | None = None,
     tokenizer: Any = None,
+    max_draft: int | None = None,
 ) -> ExportResult:
     """Export, lower and save.
 
@@ -138,6 +148,10 @@ def export(
     directory a transformers model was loaded from, when it holds one) is saved beside the program as
     `<stem>.tokenizer/`, where `Runner` finds it to take and return text.
 
+    `max_draft` (dynamic programs): also export `verify(tokens[1, T], input_pos[1]) -> logits[1, T, V]` for T up
+    to `max_draft + 1`, over the same state, with which `Runner.generate(..., speculate=...)` checks up to
+    `max_draft` proposed tokens per call. Static programs with caller-owned state check them with `prefill`.
+
     `progress`: each step (exporting, calibrating, lowering, serializing) is logged on the "etblocks" logger and,
     with the default None, shown on stderr with the elapsed time when it is a terminal and `logging` is not
     configured (a terminal's line counts the running step's seconds inside `etblocks.quiet()`); True shows them on
@@ -151,7 +165,7 @@ def export(
         model, backend, max_seq_len=max_seq_len, bos_id=bos_id, eos_ids=eos_ids, vocab_size=vocab_size,
         quantize_weights=quantize_weights, group_size=group_size, quantize_embedding=quantize_embedding,
         quantize_activations=quantize_activations, calibration=calibration, backend_options=backend_options,
-        progress=progress,
+        progress=progress, max_draft=max_draft,
     )
     info = getattr(model, "etblocks_swap", None)
     if info is not None and info.recipe.partition == "hybrid":
@@ -181,7 +195,7 @@ def export(
 
     start = time.perf_counter()
     plan.say("serializing")
-    executorch_program = edge.to_executorch(_backend_config(share_mutable_buffers=slotted))
+    executorch_program = edge.to_executorch(_backend_config(share_mutable_buffers=slotted or VERIFY_METHOD in exported))
     path = write_whole(out, executorch_program.buffer)
     adapters = {}
     if has_adapters:
@@ -241,6 +255,7 @@ def make_plan(
     calibration: Iterable[Sequence[int]] | None = None,
     backend_options: Mapping[str, Any] | None = None,
     progress: Progress | None = None,
+    max_draft: int | None = None,
 ) -> ExportPlan:
     """The export's plan with every option checked (`ConfigError` naming it), before any work."""
     spec = get_backend(backend)
@@ -266,6 +281,9 @@ def make_plan(
         )
     if recipe is not None:
         check_lowers(recipe, backend)
+    if max_draft is not None:
+        max_draft = check(OPTIONS["max_draft"], max_draft)
+        check_verifiable(model, max_draft)
     return ExportPlan(
         backend=spec,
         backend_options=options,
@@ -277,6 +295,7 @@ def make_plan(
         activations=activations,
         calibration=None if calibration is None else [list(prompt) for prompt in calibration],
         say=progress or (lambda message: None),
+        max_draft=max_draft,
     )
 
 
@@ -315,15 +334,19 @@ def _export_methods(model: nn.Module, plan: ExportPlan) -> tuple[DynamicProgram 
     if not (info is not None and info.recipe.static):
         program = dynamic_program(model, plan.max_seq_len, vocab_size=plan.vocab_size, **tokens)
         plan.say(f"exporting with torch.export (T dynamic in 1..{program.max_call_len}, context {program.max_seq_len})")
-        with _weights_quantized(model, program.module, program.example_inputs(), plan):
-            if not lora_layers(program.module):
-                forward = _torch_export(program.module, program.example_inputs(), program.dynamic_shapes())
-                return program, {"forward": forward}
-            with adapter_slots(program.module) as table:
+        slotted = bool(lora_layers(program.module))
+        verify = verify_program(model, plan.max_draft) if plan.max_draft is not None else None
+        with _weights_quantized(model, program.module, program.example_inputs(), plan), \
+                (adapter_slots(program.module) if slotted else nullcontext()) as table:
+            exported = {"forward": _torch_export(program.module, program.example_inputs(), program.dynamic_shapes())}
+            if slotted:
                 plan.say(f"with LoRA slots in {len(table.slots)} layers and a {SET_ADAPTER_METHOD} method")
-                forward = _torch_export(program.module, program.example_inputs(), program.dynamic_shapes())
-                exported = {"forward": forward, SET_ADAPTER_METHOD: set_adapter_program(program.module, table, _torch_export)}
-        program.metadata[ADAPTERS_METHOD] = table.as_constant()
+                exported[SET_ADAPTER_METHOD] = set_adapter_program(program.module, table, _torch_export)
+                program.metadata[ADAPTERS_METHOD] = table.as_constant()
+            if verify is not None:
+                plan.say(f"with a {VERIFY_METHOD} method for up to {plan.max_draft} proposed tokens per call")
+                exported[VERIFY_METHOD] = _torch_export(verify.module, verify.example_inputs(), verify.dynamic_shapes())
+                program.metadata[MAX_VERIFY_METHOD] = verify.max_call_len
         return program, exported
     program = static_program(model, plan.max_seq_len, quantized=plan.activations is not None, **tokens)
     plan.say(f"exporting prefill (T={program.contract.chunk}) and decode (T=1) with static shapes")

@@ -14,7 +14,7 @@ import torch
 from etblocks.attention.masks import additive_mask, allowed_keys
 from etblocks.errors import ConfigError, ContextOverflowError
 from etblocks.export.contract import MaskGroup, StaticContract
-from etblocks.state.spec import RING, ROWS, apply_update, held_positions
+from etblocks.state.spec import REPLACE, RING, ROWS, apply_update, held_positions
 
 Execute = Callable[[str, list[torch.Tensor]], Sequence[torch.Tensor]]
 
@@ -33,14 +33,20 @@ def group_mask(group: MaskGroup, pos: int, n_tokens: int, dtype: torch.dtype, ma
 
 class DynamicFeeder:
     """Feeds `forward(tokens [1, T], input_pos [1])` chunks of at most `max_seq_len` tokens; `run(method, inputs)`
-    executes the method."""
+    executes the method. A program exported with `max_draft` also checks proposed tokens (`verify`, `keep`)."""
 
-    def __init__(self, method: Any, max_seq_len: int, max_context_len: int, run: Callable[[Any, list], list]) -> None:
+    def __init__(
+        self, method: Any, max_seq_len: int, max_context_len: int, run: Callable[[Any, list], list],
+        verify_method: Any = None, verify_len: int = 0,
+    ) -> None:
         self.method = method
         self.max_seq_len = max_seq_len
         self.max_context_len = max_context_len
         self.run = run
+        self.verify_method = verify_method  # `verify(tokens [1, T], input_pos [1]) -> logits [1, T, V]`, T <= verify_len
+        self.verify_len = verify_len
         self.pos = 0
+        self._verified = 0
 
     def reset(self) -> None:
         """State needs no clearing: attention masks stale rows by position, other state reads zeros at position 0."""
@@ -54,6 +60,30 @@ class DynamicFeeder:
             logits = self.run(self.method, [chunk, torch.tensor([self.pos], dtype=torch.long)])[0]
             self.pos += chunk.shape[1]
         return logits.reshape(-1, logits.shape[-1])[-1]
+
+    @property
+    def max_verify(self) -> int:
+        """The most tokens `verify` checks in one call (0: the program has no `verify` method)."""
+        return self.verify_len if self.verify_method is not None else 0
+
+    def verify(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Feed `tokens` in one call of the `verify` method; return the logits after each `[T, V]`. `keep(n)` then
+        says how many of them the sequence keeps."""
+        if not 1 <= len(tokens) <= self.max_verify:
+            raise ConfigError(f"verify takes 1 .. {self.max_verify} tokens per call; got {len(tokens)}")
+        check_room(self.pos, len(tokens), self.max_context_len)
+        ids = torch.tensor([list(tokens)], dtype=torch.long)
+        logits = self.run(self.verify_method, [ids, torch.tensor([self.pos], dtype=torch.long)])[0]
+        self.pos += len(tokens)
+        self._verified = len(tokens)
+        return logits.reshape(len(tokens), -1)
+
+    def keep(self, n: int) -> None:
+        """Keep the first `n` tokens of the last `verify` call. The program's state is K/V rows, one per position
+        (`verify` is exported only then): the later rows stay where they are, never read, since attention reads
+        positions below the query's, and the next call overwrites them."""
+        self.pos -= self._verified - n
+        self._verified = 0
 
 
 class StaticFeeder:
@@ -76,6 +106,8 @@ class StaticFeeder:
         self.max_context_len = contract.max_context_len
         self.state = [entry.spec.zeros() for entry in contract.states]
         self.marks_padding = any(entry.skips_padding for entry in contract.states)
+        self.replaces_state = any(entry.spec.update == REPLACE for entry in contract.states)
+        self._pending: tuple[list[int], Sequence[torch.Tensor]] | None = None
         self.pos = 0
         self.adapter_inputs = contract.adapter_table.inputs(None)  # the base model until an adapter is set
 
@@ -120,22 +152,61 @@ class StaticFeeder:
         return logits
 
     def _step(self, tokens: Sequence[int], method: str) -> torch.Tensor:
-        width, n = self.contract.methods[method], len(tokens)
-        padded = torch.zeros(1, width, dtype=torch.long)
-        padded[0, :n] = torch.tensor(tokens, dtype=torch.long)
+        n = len(tokens)
         if self.contract.cache == "inplace":
-            logits = self.execute(method, [padded, torch.tensor([self.pos], dtype=torch.long), *self.adapter_inputs])[0]
+            logits = self.execute(method, [self._padded(tokens, method), torch.tensor([self.pos], dtype=torch.long),
+                                           *self.adapter_inputs])[0]
             self.pos += n
             return logits.reshape(-1)
+        outputs = self._call(tokens, method)
+        self._apply(outputs, n)
+        return outputs[0][0, n - 1]
+
+    def _padded(self, tokens: Sequence[int], method: str) -> torch.Tensor:
+        padded = torch.zeros(1, self.contract.methods[method], dtype=torch.long)
+        padded[0, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        return padded
+
+    def _call(self, tokens: Sequence[int], method: str) -> Sequence[torch.Tensor]:
+        """One call of a caller-owned-state program at the current position; the state is not updated yet."""
+        width, n = self.contract.methods[method], len(tokens)
         positions = torch.arange(self.pos, self.pos + width).unsqueeze(0)
         if self.marks_padding:
             positions[0, n:] = -1  # what state that `skips_padding` skips (no real token reads these rows)
         dtype, fill = self.contract.torch_dtype, self.contract.mask_value
         masks = [group_mask(group, self.pos, width, dtype, fill) for group in self.contract.masks]
-        outputs = self.execute(method, [padded, positions, *masks, *self.state, *self.adapter_inputs])
+        return self.execute(method, [self._padded(tokens, method), positions, *masks, *self.state, *self.adapter_inputs])
+
+    def _apply(self, outputs: Sequence[torch.Tensor], n: int) -> None:
+        """Update the state from a call's outputs for its first `n` tokens, and move on by `n`."""
         self.state = [
             apply_update(entry.spec, tensor, update, self.pos, n)
             for entry, tensor, update in zip(self.contract.states, self.state, outputs[1:])
         ]
         self.pos += n
-        return outputs[0][0, n - 1]
+
+    @property
+    def max_verify(self) -> int:
+        """The most tokens `verify` checks in one call: a chunk, when the program's caller owns its state and a
+        call may be padded (0: it cannot check proposals)."""
+        return self.contract.chunk if self.contract.cache == "io" and self.contract.paddable else 0
+
+    def verify(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Run `tokens` through one `prefill` call; return the logits after each `[T, V]`. The state is updated
+        only by `keep(n)`, for the tokens the sequence keeps."""
+        if not 1 <= len(tokens) <= self.max_verify:
+            raise ConfigError(f"verify takes 1 .. {self.max_verify} tokens per call; got {len(tokens)}")
+        check_room(self.pos, len(tokens), self.max_context_len)
+        self._pending = (list(tokens), self._call(tokens, "prefill"))
+        return self._pending[1][0][0, : len(tokens)]
+
+    def keep(self, n: int) -> None:
+        """Keep the first `n` tokens of the last `verify` call: rows, rings and windows take only their rows (a ring
+        slot a rejected token would have overwritten keeps its row); state replaced whole after every token (a
+        recurrence) cannot drop the rejected ones, so those `n` tokens run again from the state before the call."""
+        tokens, outputs = self._pending
+        self._pending = None
+        if n == len(tokens) or not self.replaces_state:
+            self._apply(outputs, n)
+        elif n:
+            self.forward(tokens[:n])

@@ -11,10 +11,11 @@ from etblocks.backends import backends
 from etblocks.errors import ConfigError
 from etblocks.export.adapters import SlotInputs, adapter_table, lora_layers
 from etblocks.export.contract import CONTRACT_METHOD, MaskGroup, StateInput, StaticContract
-from etblocks.export.wrappers import DecoderProgram, StateInputsProgram
+from etblocks.export.wrappers import DecoderProgram, StateInputsProgram, VerifyProgram
 from etblocks.moe import GatherExperts
 from etblocks.state.base import State, find_states
-from etblocks.state.spec import RING
+from etblocks.state.ring import RingKVCache
+from etblocks.state.spec import RING, ROWS
 from etblocks.swap.api import model_kind, set_max_seq_len
 from etblocks.swap.recipes import Recipe
 
@@ -83,6 +84,43 @@ def dynamic_program(
     if any(isinstance(m, GatherExperts) for m in model.modules()):
         call_len = min(model.etblocks_swap.recipe.chunk if kind is not None else Recipe.chunk, max_seq_len)
     return DynamicProgram(module, max_seq_len, _llm_runner_metadata(max_seq_len, tokens, call_len=call_len), call_len)
+
+
+def check_verifiable(model: nn.Module, max_draft: int) -> None:
+    """`ConfigError` unless `verify_program(model, max_draft)` can be exported and rolled back: a model swapped for
+    dynamic shapes whose state is K/V rows, one per position (a runner drops rejected tokens by moving its position
+    back; the rows they wrote are never read), or K/V rings (which get `max_draft` spare slots). Convolution and
+    recurrent state would have taken the rejected tokens in."""
+    info = getattr(model, "etblocks_swap", None)
+    if info is None:
+        raise ConfigError(f"max_draft={max_draft} needs a model swapped by etblocks.swap (its logits of every token)")
+    if info.recipe.static:
+        raise ConfigError(
+            f"max_draft={max_draft} is for dynamic programs; a static program with cache='io' checks proposed tokens "
+            "with its prefill (up to chunk - 1 of them) and needs no verify method"
+        )
+    for name, module in model.named_modules():
+        if isinstance(module, State):
+            kinds = sorted({spec.update for spec in module.specs()} - {ROWS, RING})
+            if kinds:
+                raise ConfigError(
+                    f"max_draft={max_draft}: {name} ({type(module).__name__}) keeps {'/'.join(kinds)} state, which a "
+                    "rejected proposal would leave changed in a dynamic program; export the static program "
+                    "(etblocks.swap(..., shapes='static', cache='io')), whose runner keeps only the accepted tokens' state"
+                )
+
+
+def verify_program(model: nn.Module, max_draft: int) -> DynamicProgram:
+    """The `verify` method of a dynamic program: `VerifyProgram` for 1 .. `max_draft` + 1 tokens per call. Gives
+    every ring cache `max_draft` spare slots (`RingKVCache.reserve`): call it before exporting `forward`, whose
+    buffers the method shares."""
+    check_verifiable(model, max_draft)
+    for module in model.modules():
+        if isinstance(module, RingKVCache):
+            module.reserve(max_draft)
+    info = model.etblocks_swap
+    call_len = min(max_draft + 1, info.max_seq_len)
+    return DynamicProgram(VerifyProgram(model, info.kind), info.max_seq_len, {}, call_len)
 
 
 @dataclass(frozen=True)

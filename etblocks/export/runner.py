@@ -15,6 +15,17 @@ from etblocks.errors import ConfigError, ContextOverflowError
 from etblocks.export.adapters import ADAPTERS_METHOD, SET_ADAPTER_METHOD, AdapterTable
 from etblocks.export.contract import CONTRACT_METHOD, StaticContract
 from etblocks.export.feeders import DynamicFeeder, StaticFeeder
+from etblocks.export.sampling import distribution, draw, sample
+from etblocks.export.speculate import (
+    MAX_VERIFY_METHOD,
+    VERIFY_METHOD,
+    Drafter,
+    Proposer,
+    SpeculationStats,
+    accept,
+    check_max_draft,
+    lookup_drafter,
+)
 from etblocks.export.text import Message, encode, encode_chat, find_tokenizer, load_tokenizer, text_pieces
 from etblocks.ops import load_kernels
 from etblocks.program_files import load_program
@@ -60,7 +71,11 @@ class Runner:
         elif "forward" in methods and "get_max_seq_len" in methods:
             max_seq_len = int(self._constant("get_max_seq_len"))
             max_context_len = int(self._constant("get_max_context_len", max_seq_len))
-            self._feeder = DynamicFeeder(self.program.load_method("forward"), max_seq_len, max_context_len, run_method)
+            verify = self.program.load_method(VERIFY_METHOD) if VERIFY_METHOD in methods else None
+            self._feeder = DynamicFeeder(
+                self.program.load_method("forward"), max_seq_len, max_context_len, run_method, verify,
+                int(self._constant(MAX_VERIFY_METHOD, 0)),
+            )
         else:
             raise ConfigError(
                 f"{path} has methods {sorted(methods)}; expected 'forward' with the LLM metadata methods, or an "
@@ -78,6 +93,7 @@ class Runner:
         for name, file in (adapters or {}).items():
             self.add_adapter(name, *(file if isinstance(file, tuple) else (file,)))
         self.last_ids: list[int] = []  # the tokens the last generate / stream / chat call produced
+        self.last_speculation: SpeculationStats | None = None  # what the last speculative generation did
         self._tokenizer_source = tokenizer if tokenizer is not None else find_tokenizer(path)
         self._tokenizer: Any = None
         self.path = path
@@ -142,6 +158,10 @@ class Runner:
         return self._feeder.max_context_len
 
     @property
+    def vocab_size(self) -> int:
+        return self.contract.vocab_size if self.contract is not None else int(self._constant("get_vocab_size"))
+
+    @property
     def caches(self) -> list[torch.Tensor]:
         """A static program's caller-owned state, one tensor per contract entry (`contract.states`: K/V caches,
         convolution windows, recurrent states), copied: e.g. to save a prompt's state after `forward(prompt)`, with
@@ -178,12 +198,23 @@ class Runner:
         top_p: float = 1.0,
         seed: int | None = None,
         fresh: bool = True,
+        speculate: str | Proposer | Runner | None = None,
+        max_draft: int = 4,
     ) -> str | list[int]:
         """What the program generates after `prompt`: text after a text prompt (encoded with the tokenizer's
         special tokens, decoded without them), new token ids after token ids. Stops after an EOS token (included
         in ids). `eos=None` uses the program's. `fresh=False` continues the current sequence instead of starting
-        a new one."""
-        tokens = self._tokens(self._ids(prompt), max_new_tokens, eos, temperature, top_p, seed, fresh)
+        a new one.
+
+        `speculate="prompt_lookup"`: propose up to `max_draft` tokens that followed the latest earlier occurrence of
+        the sequence's last tokens, and check them in one call (`etblocks.export.speculate`): the same tokens as
+        without it at temperature 0, the same distribution when sampling; `last_speculation` says how many were
+        kept. A callable `(tokens so far, max tokens) -> tokens` proposes instead; so does a `Runner` of a smaller
+        program with the same tokenizer (a draft model, `DraftModel`), which then follows the sequence too. Needs a
+        program that checks several tokens per call: a dynamic one exported with `max_draft`, or a static one with
+        caller-owned state."""
+        tokens = self._tokens(self._ids(prompt), max_new_tokens, eos, temperature, top_p, seed, fresh, speculate,
+                              max_draft)
         if isinstance(prompt, str):
             return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
         return list(tokens)
@@ -197,10 +228,13 @@ class Runner:
         top_p: float = 1.0,
         seed: int | None = None,
         fresh: bool = True,
+        speculate: str | Proposer | Runner | None = None,
+        max_draft: int = 4,
     ) -> Iterator[str] | Iterator[int]:
         """`generate` one piece at a time, as each token comes: text pieces after a text prompt (they join to
-        `generate`'s text), token ids after token ids."""
-        tokens = self._tokens(self._ids(prompt), max_new_tokens, eos, temperature, top_p, seed, fresh)
+        `generate`'s text), token ids after token ids; `speculate` as in `generate` (pieces then come in bursts)."""
+        tokens = self._tokens(self._ids(prompt), max_new_tokens, eos, temperature, top_p, seed, fresh, speculate,
+                              max_draft)
         return text_pieces(self.tokenizer, tokens) if isinstance(prompt, str) else tokens
 
     def chat(self, messages: Sequence[Message], max_new_tokens: int = 256, **generation: Any) -> str:
@@ -220,9 +254,11 @@ class Runner:
 
     def _tokens(
         self, prompt_ids: list[int], max_new_tokens: int, eos: int | Iterable[int] | None, temperature: float,
-        top_p: float, seed: int | None, fresh: bool,
+        top_p: float, seed: int | None, fresh: bool, speculate: str | Proposer | Runner | None = None, max_draft: int = 4,
     ) -> Iterator[int]:
         """Check everything, then (lazily) feed the prompt and yield each new token as it is chosen."""
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        drafter = self._drafter(speculate, max_draft, temperature, top_p, generator) if speculate is not None else None
         if max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={max_new_tokens} is not accepted; give an integer >= 1")
         if temperature < 0 or not 0 < top_p <= 1:
@@ -238,8 +274,39 @@ class Runner:
         if fresh:
             self.reset()
         stop = set(self.eos_ids if eos is None else ([eos] if isinstance(eos, int) else eos))
-        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.last_speculation = None
+        if drafter is not None:
+            draft_len = min(max_draft, self._feeder.max_verify - 1)
+            return self._speculate(prompt_ids, max_new_tokens, stop, temperature, top_p, generator, drafter, draft_len)
         return self._sample(prompt_ids, max_new_tokens, stop, temperature, top_p, generator)
+
+    def _drafter(self, speculate: str | Proposer | Runner, max_draft: int, temperature: float, top_p: float,
+                 generator: torch.Generator | None) -> Drafter:
+        """The drafter `speculate` asks for, after checking it, `max_draft` and that this program can check
+        proposals."""
+        check_max_draft(max_draft)
+        if isinstance(speculate, Runner):
+            if speculate is self:
+                raise ConfigError("speculate= is this Runner itself; give the Runner of a smaller program as the draft")
+            if speculate.vocab_size != self.vocab_size:
+                raise ConfigError(
+                    f"speculate=Runner({speculate.path.name}) has a vocabulary of {speculate.vocab_size} tokens, "
+                    f"{self.path.name} {self.vocab_size}; a draft program must share the tokenizer"
+                )
+            if speculate.max_context_len < self.max_context_len:
+                raise ConfigError(
+                    f"speculate=Runner({speculate.path.name}) holds {speculate.max_context_len} positions, "
+                    f"{self.path.name} {self.max_context_len}; export the draft with at least the target's max_seq_len"
+                )
+            drafter = DraftModel(speculate, temperature, top_p, generator)
+        else:
+            drafter = lookup_drafter(speculate)
+        if self._feeder.max_verify < 2:
+            raise ConfigError(
+                f"speculate={speculate!r} needs a program that checks several tokens in one call; {self.path.name} "
+                "has none: export a dynamic program with max_draft=N, or a static one with cache='io'"
+            )
+        return drafter
 
     def _sample(self, prompt_ids: list[int], max_new_tokens: int, stop: set[int], temperature: float, top_p: float,
                 generator: torch.Generator | None) -> Iterator[int]:
@@ -254,6 +321,107 @@ class Runner:
                 return
             yield token
             logits = self.forward([token])
+
+    def _speculate(self, prompt_ids: list[int], max_new_tokens: int, stop: set[int], temperature: float, top_p: float,
+                   generator: torch.Generator | None, drafter: Drafter, max_draft: int) -> Iterator[int]:
+        """`_sample` with proposals: after each chosen token, the drafter's tokens are checked with it in one call,
+        and the program keeps (and this yields) what `speculate.accept` keeps."""
+        self.last_ids = []
+        stats = self.last_speculation = SpeculationStats()
+        history = list(prompt_ids)
+        token = sample(self.forward(prompt_ids), temperature, top_p, generator)
+        drafter.start(prompt_ids)
+        while True:
+            self.last_ids.append(token)
+            history.append(token)
+            stats.tokens += 1
+            if token in stop or len(self.last_ids) == max_new_tokens:
+                self._unfed = [token]
+                yield token
+                return
+            yield token
+            limit = min(max_draft, max_new_tokens - len(self.last_ids))
+            draft, draft_probs = drafter.propose(history, limit)
+            stats.calls += 1
+            if not draft:
+                token = sample(self.forward([token]), temperature, top_p, generator)
+                continue
+            logits = self._feeder.verify([token, *draft])
+            *kept, token = accept(logits, draft, temperature, top_p, generator, draft_probs)
+            drafter.kept(len(kept))
+            stats.verify_calls += 1
+            stats.drafted += len(draft)
+            stats.accepted += len(kept)
+            for i, accepted in enumerate(kept):
+                self.last_ids.append(accepted)
+                history.append(accepted)
+                stats.tokens += 1
+                if accepted in stop or len(self.last_ids) == max_new_tokens:
+                    self._feeder.keep(i + 2)  # the token before the draft and the drafts up to this one
+                    yield accepted
+                    return
+                yield accepted
+            self._feeder.keep(len(kept) + 1)
+
+
+class DraftModel:
+    """A drafter (`speculate.Drafter`) that is a smaller program sharing the tokenizer: it samples (greedy at
+    temperature 0) up to `limit` tokens one by one after the sequence so far, and keeps its own state in step with
+    the target's: after a check it holds exactly the kept tokens. A dynamic draft program drops the rest by moving
+    its position back, so it must have been exported with `max_draft` (which checks its state allows that); a
+    static one goes back to its state from before the proposal and runs the kept tokens again. It starts from each
+    call's prompt (a `fresh=False` call's earlier turns are the target's only)."""
+
+    def __init__(self, runner: Runner, temperature: float, top_p: float, generator: torch.Generator | None) -> None:
+        if runner.contract is None and runner._feeder.max_verify == 0:
+            raise ConfigError(
+                f"speculate=Runner({runner.path.name}) is a dynamic program exported without max_draft; export the draft "
+                "with max_draft=N too (that checks a rejected proposal can be dropped from its state)"
+            )
+        if runner.contract is not None and runner.contract.cache != "io":
+            raise ConfigError(
+                f"speculate=Runner({runner.path.name}) keeps its state inside a static program; export the draft with "
+                "cache='io'"
+            )
+        self.runner, self.temperature, self.top_p, self.generator = runner, temperature, top_p, generator
+        self._proposed: list[int] = []
+        self._before: tuple[list[torch.Tensor] | None, int, list[int]] = (None, 0, [])
+
+    def start(self, prompt_ids: list[int]) -> None:
+        self.runner.reset()
+        self.runner.forward(prompt_ids)
+
+    def propose(self, history: Sequence[int], limit: int) -> tuple[list[int], list[numpy.ndarray] | None]:
+        runner = self.runner
+        feeder = runner._feeder
+        caches = [tensor.clone() for tensor in feeder.state] if runner.contract is not None else None
+        self._before = (caches, feeder.pos, [*runner._unfed, history[-1]])  # what the next call feeds first
+        tokens, probs, fed = [], [], [history[-1]]
+        for _ in range(limit):
+            logits = runner.forward(fed)
+            if self.temperature == 0:
+                tokens.append(sample(logits))
+            else:
+                probs.append(distribution(logits, self.temperature, self.top_p))
+                tokens.append(draw(probs[-1], self.generator))
+            fed = tokens[-1:]
+        runner._unfed = fed  # the last proposed token: fed with whatever comes next, if it is kept
+        self._proposed = tokens
+        return tokens, (probs if self.temperature else None)
+
+    def kept(self, n: int) -> None:
+        """Hold what came before the proposal and its first `n` tokens (the last proposed one stays unfed)."""
+        if n == len(self._proposed):
+            return
+        runner = self.runner
+        caches, pos, first = self._before
+        keep = [*first, *self._proposed[:n]]
+        if caches is None:  # dynamic: the rows written past the kept tokens are never read, and are overwritten
+            runner._feeder.pos = pos + len(keep)
+            runner._unfed = []
+        else:
+            runner.restore(caches, pos)
+            runner.forward(keep)
 
 
 def run_method(method: Any, inputs: Sequence[Any]) -> list[Any]:
@@ -281,63 +449,3 @@ def copy_tensor(tensor: torch.Tensor) -> torch.Tensor:
 def _bytes(tensor: torch.Tensor):
     """The bytes of a contiguous tensor as a numpy array that shares its memory."""
     return tensor.reshape(-1).view(torch.uint8).numpy()
-
-
-def greedy_token(logits: torch.Tensor) -> int:
-    """Index of the largest logit (the first on ties), by numpy: torch.argmax over a vocabulary of tens of
-    thousands is slower, most of all between decode steps."""
-    return int(logits.detach().reshape(-1).float().numpy().argmax())  # .float() copies only non-fp32 logits
-
-
-def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, generator=None) -> int:
-    """Greedy at temperature 0; otherwise nucleus sampling over `softmax(logits / temperature)`: the most likely
-    tokens, each kept while the mass of those before it is below `top_p`, drawn in proportion to their
-    probabilities by one uniform number from `generator` (torch's global one if None).
-
-    numpy does the arithmetic, on this thread: torch's elementwise ops over a vocabulary this size run on its
-    OpenMP threads, whose spinning slows the next decode step (see `run_method`).
-    """
-    if temperature == 0:
-        return greedy_token(logits)
-    scaled = logits.detach().reshape(-1).float().numpy() / numpy.float32(temperature)
-    probs = numpy.exp(scaled - scaled.max())
-    probs /= probs.sum()
-    if top_p >= 1:
-        return _draw(probs, generator)
-    probs, tokens = _nucleus(probs, top_p)
-    return int(tokens[_draw(probs, generator)])
-
-
-NUCLEUS_FIRST_K = 256
-
-
-def _nucleus(probs: numpy.ndarray, top_p: float) -> tuple[numpy.ndarray, numpy.ndarray]:
-    """The nucleus's probabilities and token ids. Most nuclei end inside the k most likely tokens, found by a
-    partial sort; a larger one (flat logits) takes a sort of the probabilities' values, not of their indices
-    (sorting token ids by probability is several times slower; `benchmarks/sampling.py` times the sampler). The
-    draw does not depend on the order they come in."""
-    k = min(NUCLEUS_FIRST_K, probs.size)
-    top = numpy.sort(numpy.argpartition(probs, probs.size - k)[probs.size - k :])  # tied tokens in id order
-    top = top[numpy.argsort(-probs[top], kind="stable")]
-    kept = _kept(probs[top], top_p)
-    if not kept[-1] or k == probs.size:
-        return probs[top[kept]], top[kept]
-    descending = numpy.sort(probs)[::-1]
-    size = int(numpy.count_nonzero(_kept(descending, top_p)))
-    smallest = descending[size - 1]
-    above = numpy.flatnonzero(probs > smallest)
-    ties = numpy.flatnonzero(probs == smallest)[: size - above.size]  # as many of the tied as the nucleus holds
-    tokens = numpy.concatenate([above, ties])
-    return probs[tokens], tokens
-
-
-def _kept(descending: numpy.ndarray, top_p: float) -> numpy.ndarray:
-    """Which of these probabilities (descending) the nucleus keeps: those with less than top_p before them."""
-    return numpy.cumsum(descending, dtype=numpy.float64) - descending < top_p
-
-
-def _draw(weights: numpy.ndarray, generator) -> int:
-    """An index into `weights`, with probability proportional to its weight (inverse CDF of one uniform draw)."""
-    cdf = numpy.cumsum(weights, dtype=numpy.float64)
-    u = torch.rand((), generator=generator, dtype=torch.float64).item() * cdf[-1]
-    return int(numpy.searchsorted(cdf, u, side="right"))

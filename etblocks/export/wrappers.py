@@ -22,6 +22,15 @@ class DecoderProgram(nn.Module):
         return self.kind.logits(self.model, tokens, positions.unsqueeze(0), last_only=True)[:, -1, :]
 
 
+class VerifyProgram(DecoderProgram):
+    """`forward(tokens [1, T], input_pos [1]) -> logits [1, T, V]` of every token, over the same state as
+    `DecoderProgram`: checks proposed tokens in one call (speculative decoding)."""
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        positions = input_pos + torch.arange(tokens.shape[1], dtype=input_pos.dtype)
+        return self.kind.logits(self.model, tokens, positions.unsqueeze(0), last_only=False)
+
+
 class StateInputsProgram(nn.Module):
     """The static contract with caller-owned state (see `etblocks.export.contract`):
     `forward(tokens [1, T], positions [1, T], *masks [T, L + T], *state) -> (logits [1, T, V], *updates)`, where

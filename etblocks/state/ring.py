@@ -42,12 +42,22 @@ class RingKVCache(KVCache):
         super().__init__(max_batch_size, window, n_kv_heads, head_dim, dtype)
         self.use_custom_op = use_custom_op
         self.read_filled = read_filled
+        self.spare = 0
         if use_custom_op:
             load_llama_custom_ops()
 
     @property
     def window(self) -> int:
+        """Slots in the ring: the attention window, plus `spare` ones."""
         return self.length
+
+    def reserve(self, spare: int) -> None:
+        """Hold `spare` slots beyond the attention window (contents are dropped). A call may then write up to `spare`
+        rows that the sequence does not keep (proposals rejected in speculative decoding) without overwriting a
+        row the window still needs: those rows only ever land in slots of positions older than the window, and
+        their own positions, past the sequence's, are never read. Attention's mask keeps the window."""
+        self._allocate(self.length - self.spare + spare)
+        self.spare = spare
 
     @property
     def slot_positions(self) -> torch.Tensor:

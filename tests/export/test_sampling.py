@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from etblocks.export.runner import greedy_token, sample
+from etblocks.export.sampling import greedy_token, sample
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -60,7 +60,7 @@ def test_sampling_follows_the_nucleus_distribution(top_p):
 def test_nucleus_is_the_sorted_definition(vocab, scale, top_p, beyond_first_k):
     """The nucleus is the whole-vocabulary sort's: small ones found among the first k tokens, large ones (flat
     logits) through the sort of the probabilities."""
-    from etblocks.export.runner import NUCLEUS_FIRST_K, _nucleus
+    from etblocks.export.sampling import NUCLEUS_FIRST_K, _nucleus
 
     logits = torch.randn(vocab, generator=torch.Generator().manual_seed(vocab)) * scale
     probs = torch.softmax(logits, dim=-1)
@@ -74,7 +74,7 @@ def test_nucleus_is_the_sorted_definition(vocab, scale, top_p, beyond_first_k):
 @pytest.mark.parametrize("vocab", [100, 1000])
 def test_nucleus_of_tied_probabilities_takes_the_first_tokens(vocab):
     """A uniform distribution: the nucleus holds the first tokens by id, as a stable sort orders the tied."""
-    from etblocks.export.runner import _nucleus
+    from etblocks.export.sampling import _nucleus
 
     probs = torch.full((vocab,), 1.0 / vocab)
     expected = nucleus_reference(probs, 0.5003)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_models import hf_greedy, original_and_copy, prompt_ids
+from speculation_refs import check_greedy_with_speculation
 from static_refs import CHUNK, CONTEXT, eager_feeder, greedy, swap_static
 
 import etblocks
@@ -75,6 +76,15 @@ def test_runner_greedy_matches_hf_generate(exported):
         assert len(set(expected)) > 4, "degenerate reference: the test would not tell models apart"
         runner.reset()
         assert runner.generate(prompt[0].tolist(), max_new_tokens=NEW_TOKENS) == expected, f"{name} {backend} prompt {length}"
+
+
+@pytest.mark.slow
+def test_runner_speculation_matches_hf_generate(exported):
+    """Proposals checked by one padded `prefill` (prompt lookup; the right tokens with one wrong at each draft
+    position; only wrong ones) leave greedy generation HF's: K/V rows, ring slots and convolution windows take only
+    the kept tokens' rows, and recurrent states run the kept tokens again after a rejection."""
+    name, backend, original, result = exported
+    check_greedy_with_speculation(etblocks.Runner(result.path), original, f"{name} {backend}")
 
 
 @pytest.mark.slow
