@@ -19,6 +19,7 @@ HEAVIEST_FIRST = (
     "tests/export/test_static_programs.py",
     "tests/export/test_hybrid_programs.py",
     "tests/adapters/test_adapter_programs.py",
+    "tests/export/test_speculation.py",
     "tests/export/test_delegation_golden.py",
     "tests/adapters/test_sha_adapters.py",
     "tests/export/test_weight_quant.py",
