@@ -79,9 +79,9 @@ class DynamicFeeder:
         return logits.reshape(len(tokens), -1)
 
     def keep(self, n: int) -> None:
-        """Keep the first `n` tokens of the last `verify` call. The program's state is K/V rows, one per position
-        (`verify` is exported only then): the later rows stay where they are, never read, since attention reads
-        positions below the query's, and the next call overwrites them."""
+        """Keep the first `n` tokens of the last `verify` call. The program's state is K/V rows and rings with
+        spare slots (`verify` is exported only then): the rows of the others stay where they are, never read, since
+        attention reads positions below the query's, and later calls overwrite them."""
         self.pos -= self._verified - n
         self._verified = 0
 

@@ -416,7 +416,7 @@ class DraftModel:
         runner = self.runner
         caches, pos, first = self._before
         keep = [*first, *self._proposed[:n]]
-        if caches is None:  # dynamic: the rows written past the kept tokens are never read, and are overwritten
+        if caches is None:  # dynamic: rows written past the kept tokens are never read, and get overwritten
             runner._feeder.pos = pos + len(keep)
             runner._unfed = []
         else:
