@@ -27,7 +27,7 @@ SPECULATE_MODES = ("prompt_lookup",)
 # [1, T, V]`, T up to the value of the constant method MAX_VERIFY_METHOD, over the same state as `forward`.
 VERIFY_METHOD = "verify"
 MAX_VERIFY_METHOD = "get_max_verify_len"
-MAX_NGRAM = 3  # the longest suffix prompt lookup matches (llama.cpp's and transformers' default is 3 too)
+MAX_NGRAM = 3  # the longest suffix prompt lookup matches
 
 
 @dataclass
