@@ -393,9 +393,8 @@ class DraftModel:
 
     def propose(self, history: Sequence[int], limit: int) -> tuple[list[int], list[numpy.ndarray] | None]:
         runner = self.runner
-        feeder = runner._feeder
-        caches = [tensor.clone() for tensor in feeder.state] if runner.contract is not None else None
-        self._before = (caches, feeder.pos, [*runner._unfed, history[-1]])  # what the next call feeds first
+        caches = runner.caches if runner.contract is not None else None  # copies; static drafts own their state
+        self._before = (caches, runner._feeder.pos, [*runner._unfed, history[-1]])  # and what the next call feeds first
         tokens, probs, fed = [], [], [history[-1]]
         for _ in range(limit):
             logits = runner.forward(fed)

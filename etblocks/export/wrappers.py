@@ -17,18 +17,19 @@ class DecoderProgram(nn.Module):
         self.model = model
         self.kind = kind
 
+    last_only = True  # the logits of the last token only
+
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         positions = input_pos + torch.arange(tokens.shape[1], dtype=input_pos.dtype)
-        return self.kind.logits(self.model, tokens, positions.unsqueeze(0), last_only=True)[:, -1, :]
+        logits = self.kind.logits(self.model, tokens, positions.unsqueeze(0), last_only=self.last_only)
+        return logits[:, -1, :] if self.last_only else logits
 
 
 class VerifyProgram(DecoderProgram):
     """`forward(tokens [1, T], input_pos [1]) -> logits [1, T, V]` of every token, over the same state as
     `DecoderProgram`: checks proposed tokens in one call (speculative decoding)."""
 
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        positions = input_pos + torch.arange(tokens.shape[1], dtype=input_pos.dtype)
-        return self.kind.logits(self.model, tokens, positions.unsqueeze(0), last_only=False)
+    last_only = False
 
 
 class StateInputsProgram(nn.Module):
