@@ -174,26 +174,27 @@ class Corpus:
             probabilities.append(tuple(w / sum(weights) for w in weights))
         return cls(tuple(sorted(words)), tuple(successors), tuple(probabilities))
 
-    def sample(self, min_tokens: int, rng: random.Random) -> tuple[list[int], float]:
-        """Whole words until there are at least `min_tokens` tokens; returns the tokens and the nats of the random
-        choices that made them (their -log probability under the generator)."""
+    def sample(self, min_tokens: int, rng: random.Random, copy_prob: float = COPY_PROB) -> tuple[list[int], float]:
+        """Whole words until there are at least `min_tokens` tokens, repeating an earlier span with chance
+        `copy_prob` per word; returns the tokens and the nats of the random choices that made them (their -log
+        probability under the generator)."""
         words = [rng.randrange(len(self.words))]
         nats = math.log(len(self.words))
         tokens = list(self.words[words[0]])
         while len(tokens) < min_tokens:
-            chosen, choice_nats = self._next_words(words, rng)
+            chosen, choice_nats = self._next_words(words, rng, copy_prob)
             nats += choice_nats
             for word in chosen:
                 words.append(word)
                 tokens.extend(self.words[word])
         return tokens, nats
 
-    def _next_words(self, words: list[int], rng: random.Random) -> tuple[list[int], float]:
+    def _next_words(self, words: list[int], rng: random.Random, copy_prob: float) -> tuple[list[int], float]:
         """A repeat of an earlier span (once enough words came before) or the previous word's bigram successor."""
         nats = 0.0
-        if len(words) >= COPY_WORDS[1]:
-            repeat = rng.random() < COPY_PROB
-            nats -= math.log(COPY_PROB if repeat else 1 - COPY_PROB)
+        if len(words) >= COPY_WORDS[1] and copy_prob > 0:
+            repeat = rng.random() < copy_prob
+            nats -= math.log(copy_prob if repeat else 1 - copy_prob)
             if repeat:
                 length = rng.randint(*COPY_WORDS)
                 start = rng.randrange(len(words) - length + 1)
@@ -222,6 +223,7 @@ class Training:
 
     model: torch.nn.Module
     shape: Shape
+    corpus: Corpus
     seconds: float
     steps: int
     heldout: torch.Tensor  # [sequences, length]
@@ -274,7 +276,7 @@ def train_model(shape: Shape, steps: int, heldout_count: int, seed: int) -> Trai
             log(f"training step {step + 1}/{steps}: loss {loss.item():.3f}")
     seconds = time.perf_counter() - start
     model.eval()
-    return Training(model, shape, seconds, steps, heldout[:heldout_count], language_model_loss(model, heldout),
+    return Training(model, shape, corpus, seconds, steps, heldout[:heldout_count], language_model_loss(model, heldout),
                     unigram_loss(train, heldout, shape.vocab), entropy)
 
 
