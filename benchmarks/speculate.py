@@ -3,17 +3,19 @@
 Models: quant.py's small Llama (4 layers, hidden 256, vocabulary 512) trained for `--train-steps` at context
 `--max-seq-len` on quant.py's synthetic corpus (words of 2-5 tokens in bigram order; with chance 0.1 per word an
 earlier span of 3-8 words is repeated), and a draft of `--draft-layers` layers with the same widths trained on the
-same batches. Both swapped and exported as dynamic XNNPACK programs with `max_draft=--max-draft`.
+same batches. Both swapped and exported into one dynamic XNNPACK program with `max_draft=--max-draft` (the draft's
+methods beside the target's: `export(..., draft=)`).
 
 Prompts: two sets of `--prompts` held-out texts of `--prompt-len` tokens from the same generator: (i) repeating, as
 the model was trained (copied spans), and (ii) non-repeating (no copied spans). Each prompt generates
 `--new-tokens` greedily; every row gives every prompt's tokens.
 
 Rows: (a) plain greedy decoding; (b) prompt lookup (`speculate="prompt_lookup"`); (c) the draft model
-(`speculate=Runner(draft)`); (d) the worst case: proposals that are always wrong (each is the reference's token +
+(`speculate="draft"`); (d) the worst case: proposals that are always wrong (each is the reference's token +
 1), so every call checks `--max-draft` tokens and keeps none. Decode tok/s of a set: its prompts' tokens after the
 first / the seconds from each first token to its last (the target's and the draft's prefill are left out), timed
-in a fresh process that loads the programs, rows rotated from round to round; medians [min-max] of `--rounds`;
+in a fresh process that loads the program (torch's MKL on one thread there, as `harness.in_fresh_process` sets
+it), rows rotated from round to round; medians [min-max] of `--rounds`;
 speed-up: the median of per-round ratios to (a). Acceptance: proposed tokens kept / proposed; tokens per call:
 generated tokens / program calls after the prompt's.
 
@@ -58,6 +60,7 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     finish,
     in_fresh_process,
     parse_with_smoke,
+    run_info,
     spread,
     spread_record,
 )
@@ -80,11 +83,13 @@ def log(message: str) -> None:
 # Models and prompts
 
 
-def export_trained(training: Training, path: Path, max_draft: int) -> Path:
-    """The trained model swapped (in place) and exported as a dynamic XNNPACK program with a `verify` method."""
-    etblocks.swap(training.model, backend="xnnpack", max_seq_len=training.shape.max_seq_len)
+def export_trained(target: Training, draft: Training, path: Path, max_draft: int) -> Path:
+    """The trained target and draft swapped (in place) and exported into one dynamic XNNPACK program with `verify`
+    methods."""
+    for training in (target, draft):
+        etblocks.swap(training.model, backend="xnnpack", max_seq_len=training.shape.max_seq_len)
     with torch.no_grad():
-        return etblocks.export(training.model, backend="xnnpack", out=path, max_draft=max_draft).path
+        return etblocks.export(target.model, backend="xnnpack", out=path, max_draft=max_draft, draft=draft.model).path
 
 
 def prompt_sets(corpus: Corpus, count: int, length: int, seed: int) -> dict[str, list[list[int]]]:
@@ -154,17 +159,17 @@ def run_row(runner: etblocks.Runner, prompts: Sequence[list[int]], new_tokens: i
     return RowRun(sum(len(t) - 1 for t in tokens) / seconds, tokens, *totals)
 
 
-def time_rows(target: Path, draft: Path, prompts: dict[str, list[list[int]]], references: dict[str, list[list[int]]],
+def time_rows(path: Path, prompts: dict[str, list[list[int]]], references: dict[str, list[list[int]]],
               new_tokens: int, max_draft: int, rounds: int) -> dict[str, dict[str, list[RowRun]]]:
     """Every row on every set, `rounds` times, rows rotated from round to round; one untimed run of each first."""
-    runner, draft_runner = etblocks.Runner(target), etblocks.Runner(draft)
+    runner = etblocks.Runner(path)
     runs: dict[str, dict[str, list[RowRun]]] = {s: {r: [] for r in ROWS} for s in SETS}
     for round_index in range(rounds + 1):
         for set_key in SETS:
             keys = list(ROWS)
             keys = keys[round_index % len(keys):] + keys[: round_index % len(keys)]
             for key in keys:
-                speculate = {"a": None, "b": "prompt_lookup", "c": draft_runner,
+                speculate = {"a": None, "b": "prompt_lookup", "c": "draft",
                              "d": WrongProposals(prompts[set_key], references[set_key], runner.vocab_size)}[key]
                 run = run_row(runner, prompts[set_key], new_tokens, max_draft, speculate)
                 if round_index:  # the first is the warm-up
@@ -212,11 +217,11 @@ def export_cost_model(shape_name: str, out_dir: Path, max_draft: int, seed: int)
         return etblocks.export(model, backend="xnnpack", out=out_dir / f"cost_{shape_name}.pte", max_draft=max_draft).path
 
 
-def time_everything(target: Path, draft: Path, cost_paths: dict[str, Path], prompts: dict[str, list[list[int]]],
+def time_everything(path: Path, cost_paths: dict[str, Path], prompts: dict[str, list[list[int]]],
                     references: dict[str, list[list[int]]], args: argparse.Namespace) -> tuple[Any, Any]:
     """The fresh process's work: the rows (as dictionaries: this module is `__mp_main__` there), then the call
     costs."""
-    runs = time_rows(target, draft, prompts, references, args.new_tokens, args.max_draft, args.rounds)
+    runs = time_rows(path, prompts, references, args.new_tokens, args.max_draft, args.rounds)
     costs = call_costs(cost_paths, args.max_draft + 1, args.prompt_len, args.cost_calls, args.rounds)
     return {s: {r: [dataclasses.asdict(run) for run in row_runs] for r, row_runs in set_runs.items()}
             for s, set_runs in runs.items()}, costs
@@ -314,8 +319,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     prompts = prompt_sets(trained["target"].corpus, args.prompts, args.prompt_len, args.seed)
     references = {key: reference_tokens(trained["target"].model, ps, args.new_tokens) for key, ps in prompts.items()}
     descriptions = {name: t.describe() for name, t in trained.items()}
-    paths = {name: export_trained(t, out_dir / f"{name}.pte", args.max_draft) for name, t in trained.items()}
-    cost_paths = {"trained": paths["target"]}
+    path = export_trained(trained["target"], trained["draft"], out_dir / "speculate.pte", args.max_draft)
+    cost_paths = {"trained": path}
     labels = {"trained": f"trained target ({args.layers} layers, hidden {shape.hidden}, vocab {shape.vocab})"}
     if args.cost_shape != "none":
         log(f"exporting the {args.cost_shape} shape for the call costs")
@@ -325,8 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gc.collect()
 
     log("timing in a fresh process")
-    run_dicts, costs = in_fresh_process(time_everything, paths["target"], paths["draft"], cost_paths, prompts,
-                                        references, args)
+    run_dicts, costs = in_fresh_process(time_everything, path, cost_paths, prompts, references, args)
     runs = {s: {r: [RowRun(**run) for run in row_runs] for r, row_runs in set_runs.items()}
             for s, set_runs in run_dicts.items()}
 
@@ -347,6 +351,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"Speculative decoding, dynamic XNNPACK programs with max_draft {args.max_draft}; {_threadpool_get_thread_count()} "
         f"ExecuTorch threads; {args.rounds} rounds",
         describe_cpu(),
+        f"timing process: MKL_NUM_THREADS={run_info()['timing_mkl_threads']} (ExecuTorch's attention kernel calls torch's "
+        "MKL from inside its own thread pool; see etblocks/threads.py)",
         f"target: {descriptions['target']}",
         f"draft: {descriptions['draft']}",
     ])

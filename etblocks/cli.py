@@ -28,6 +28,7 @@ from etblocks.errors import ConfigError, ContextOverflowError, EtblocksError, Pr
 from etblocks.noise import quiet
 from etblocks.options import RECIPE_KEYS, Option
 from etblocks.progress import LOGGER, shown, steps
+from etblocks.threads import prefer_single_threaded_blas
 
 EXIT_ERROR = 2
 DEMO = "demo"
@@ -128,6 +129,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise ConfigError(f"model is not set; give --model {DEMO} or --model PATH (a local HF checkpoint directory), or `model:` in a config file")
     if model_name != DEMO:
         _checkpoint_dir(model_name)  # before the backend checks, which import torch
+    if options["draft_model"] is not None:
+        _checkpoint_dir(options["draft_model"])
+        if options["max_draft"] is None:
+            raise ConfigError("draft_model is set without max_draft; give --max-draft N (tokens the draft proposes per call)")
     backend, overrides, backend_options, dtype = _check_backend(options, lower=not options["check"])
     _check_quantization(options, backend)
     calibration = read_calibration(options["calibration"]) if options["calibration"] else None
@@ -161,6 +166,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     for name, directory in (options["adapters"] or {}).items():
         layers = etblocks.load_adapter(model, directory, name=name)
         say(f"loaded adapter {name!r} from {directory} ({len(layers)} layers)")
+    draft = None
+    if options["draft_model"] is not None:
+        say(f"loading the draft model {options['draft_model']} and swapping it for {backend}")
+        draft = load_checkpoint(options["draft_model"], dtype=dtype)
+        etblocks.swap(draft, backend=backend, max_seq_len=info.max_seq_len, verify=verify, **overrides)
 
     if options["check"]:
         from etblocks.export.driver import check_readiness
@@ -175,6 +185,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         eos_ids=options["eos_ids"], quantize_weights=options["quantize_weights"], group_size=options["group_size"],
         quantize_embedding=options["quantize_embedding"], quantize_activations=options["quantize_activations"],
         calibration=calibration, backend_options=backend_options, tokenizer=tokenizer, max_draft=options["max_draft"],
+        draft=draft,
     )
     seconds = {"swap": swap_seconds, **result.seconds}
     print(_export_summary(result, model_name, seconds), flush=True)
@@ -321,6 +332,7 @@ def _export_summary(result, model_name: str, seconds: dict[str, float]) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    prefer_single_threaded_blas()
     options = _options("run", args)
     if options["prompt_ids"] is not None and options["prompt"] is not None:
         raise ConfigError(
@@ -361,6 +373,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     """An interactive conversation: each line typed is a user turn; the reply streams as it is generated. The
     program's state is kept between turns, so a turn prefills only its own tokens. Ends at EOF (Ctrl-D) or /exit;
     /reset starts over."""
+    prefer_single_threaded_blas()
     from etblocks.export.chat import Chat
 
     options = _options("chat", args)

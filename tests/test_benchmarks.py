@@ -30,6 +30,7 @@ SCRIPTS = {
     "step_breakdown": "c",
     "lora": "a",
     "hybrid": "f",
+    "speculate": "b",
     # ExecuTorch's Gemma 4 example on a tiny 6-layer stack (one KV-shared layer), prompt longer than the window
     "hybrid --family gemma4 --layers 6 --rows a,b --max-seq-len 1024 --prompts 12": "b",
     # Granite 4.0-H (one Mamba2 and one attention layer): etblocks' program against the eager model's row

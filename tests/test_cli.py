@@ -233,6 +233,33 @@ def test_export_with_max_draft_and_run_with_speculation(demo_hf, tmp_path, capsy
 
 
 @pytest.mark.slow
+def test_export_with_a_draft_model_and_run_with_it(demo_hf, tmp_path, capsys):
+    """`--draft-model` puts a one-layer checkpoint into the .pte as the draft; `run --speculate draft` prints HF
+    generate's greedy tokens. Without `--max-draft` the export stops before loading anything."""
+    from transformers import LlamaForCausalLM
+
+    from etblocks.demo import demo_config
+
+    config = demo_config()
+    config.num_hidden_layers = 1
+    draft_dir = tmp_path / "draft"
+    torch.manual_seed(3)
+    LlamaForCausalLM(config).save_pretrained(draft_dir)
+    pte = tmp_path / "both.pte"
+    assert main(["export", "--model", "demo", "--out", str(pte), "--max-seq-len", "64", "--draft-model", str(draft_dir)]) == 2
+    assert "draft_model is set without max_draft" in error_line(capsys.readouterr().err)
+    assert main(["export", "--model", "demo", "--out", str(pte), "--max-seq-len", "64", "--max-draft", "3",
+                 "--draft-model", str(draft_dir)]) == 0
+    assert "draft_forward" in capsys.readouterr().out
+    prompt = [5, 9, 30, 7, 11, 2, 40]
+    assert main(["run", "--pte", str(pte), "--prompt-ids", ",".join(map(str, prompt)), "--speculate", "draft",
+                 "--max-new-tokens", "24"]) == 0
+    out = capsys.readouterr().out
+    assert ids_line(out, "generated ids") == hf_greedy(demo_hf, prompt, 24)
+    assert re.search(r"speculation: \d+ of [1-9]\d* proposed tokens kept", out), out
+
+
+@pytest.mark.slow
 def test_run_overflowing_the_context_exits_2(demo_export, capsys):
     _, pte, _ = demo_export
     code = main(["run", "--pte", str(pte), "--prompt-ids", "1,2,3", "--max-new-tokens", str(MAX_SEQ_LEN)])

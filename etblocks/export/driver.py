@@ -6,7 +6,7 @@ import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -35,9 +35,10 @@ from etblocks.export.programs import (
     verify_program,
 )
 from etblocks.export.quantize import quantize_static
-from etblocks.export.speculate import MAX_VERIFY_METHOD, VERIFY_METHOD
+from etblocks.export.speculate import DRAFT_PREFIX, MAX_VERIFY_METHOD, VERIFY_METHOD
 from etblocks.export.text import checkpoint_tokenizer, load_tokenizer, save_tokenizer
 from etblocks.export.weights import WeightQuantization, quantized_weights, weight_quantization
+from etblocks.export.wrappers import DraftProgram
 from etblocks.ops import load_llama_custom_ops
 from etblocks.options import DEFAULT_GROUP_SIZE, OPTIONS, check
 from etblocks.program_files import write_whole
@@ -91,6 +92,7 @@ class ExportPlan:
     activations: str | None = None
     calibration: list[list[int]] | None = None
     max_draft: int | None = None  # dynamic programs: a `verify` method for this many proposed tokens
+    draft: nn.Module | None = field(default=None, repr=False)  # a draft model whose methods go in the same file
     say: Progress = field(default=lambda message: None, repr=False)
 
     @property
@@ -117,6 +119,7 @@ def export(
     progress: Progress | bool | None = None,
     tokenizer: Any = None,
     max_draft: int | None = None,
+    draft: nn.Module | None = None,
 ) -> ExportResult:
     """Export, lower and save.
 
@@ -151,6 +154,9 @@ def export(
     `max_draft` (dynamic programs): also export `verify(tokens[1, T], input_pos[1]) -> logits[1, T, V]` for T up
     to `max_draft + 1`, over the same state, with which `Runner.generate(..., speculate=...)` checks up to
     `max_draft` proposed tokens per call. Static programs with caller-owned state check them with `prefill`.
+    `draft` (with `max_draft`): a smaller model with the same vocabulary, swapped for dynamic shapes too, whose
+    `forward` and `verify` go in the same file as `draft_forward` and `draft_verify` (its weights and state apart
+    from the target's, quantized the same way), for `Runner.generate(..., speculate="draft")`.
 
     `progress`: each step (exporting, calibrating, lowering, serializing) is logged on the "etblocks" logger and,
     with the default None, shown on stderr with the elapsed time when it is a terminal and `logging` is not
@@ -165,7 +171,7 @@ def export(
         model, backend, max_seq_len=max_seq_len, bos_id=bos_id, eos_ids=eos_ids, vocab_size=vocab_size,
         quantize_weights=quantize_weights, group_size=group_size, quantize_embedding=quantize_embedding,
         quantize_activations=quantize_activations, calibration=calibration, backend_options=backend_options,
-        progress=progress, max_draft=max_draft,
+        progress=progress, max_draft=max_draft, draft=draft,
     )
     info = getattr(model, "etblocks_swap", None)
     if info is not None and info.recipe.partition == "hybrid":
@@ -256,6 +262,7 @@ def make_plan(
     backend_options: Mapping[str, Any] | None = None,
     progress: Progress | None = None,
     max_draft: int | None = None,
+    draft: nn.Module | None = None,
 ) -> ExportPlan:
     """The export's plan with every option checked (`ConfigError` naming it), before any work."""
     spec = get_backend(backend)
@@ -284,6 +291,8 @@ def make_plan(
     if max_draft is not None:
         max_draft = check(OPTIONS["max_draft"], max_draft)
         check_verifiable(model, max_draft)
+    if draft is not None:
+        _check_draft(model, draft, max_draft, max_seq_len)
     return ExportPlan(
         backend=spec,
         backend_options=options,
@@ -296,7 +305,33 @@ def make_plan(
         calibration=None if calibration is None else [list(prompt) for prompt in calibration],
         say=progress or (lambda message: None),
         max_draft=max_draft,
+        draft=draft,
     )
+
+
+def _check_draft(model: nn.Module, draft: nn.Module, max_draft: int | None, max_seq_len: int | None) -> None:
+    """`ConfigError` unless `draft` can go in `model`'s file as a draft model: both checked with `max_draft`, the
+    same vocabulary, at least the target's context, no LoRA adapters in the draft."""
+    if max_draft is None:
+        raise ConfigError("draft= needs max_draft=N: the draft proposes up to N tokens, which the target's verify checks")
+    if draft is model:
+        raise ConfigError("draft= is the model being exported; give a smaller model with the same tokenizer")
+    try:
+        check_verifiable(draft, max_draft)
+    except ConfigError as e:
+        raise ConfigError(f"draft=: {e}") from None
+    info, draft_info = model.etblocks_swap, draft.etblocks_swap
+    vocab, draft_vocab = (i.kind.token_metadata(m)["vocab_size"] for i, m in ((info, model), (draft_info, draft)))
+    if draft_vocab != vocab:
+        raise ConfigError(f"draft= has a vocabulary of {draft_vocab} tokens, the model {vocab}; a draft must share the tokenizer")
+    context = max_seq_len or info.max_seq_len
+    if draft_info.max_seq_len < context:
+        raise ConfigError(
+            f"draft= was swapped for max_seq_len={draft_info.max_seq_len}, the program holds {context} positions; swap "
+            "the draft with at least the target's max_seq_len"
+        )
+    if lora_layers(draft):
+        raise ConfigError("draft= holds LoRA adapters; a draft model goes in the file without them")
 
 
 def _activations(recipe: Recipe | None, backend: Backend, requested: str | None) -> str | None:
@@ -332,21 +367,12 @@ def _export_methods(model: nn.Module, plan: ExportPlan) -> tuple[DynamicProgram 
     info = getattr(model, "etblocks_swap", None)
     tokens = dict(bos_id=plan.bos_id, eos_ids=plan.eos_ids)
     if not (info is not None and info.recipe.static):
-        program = dynamic_program(model, plan.max_seq_len, vocab_size=plan.vocab_size, **tokens)
-        plan.say(f"exporting with torch.export (T dynamic in 1..{program.max_call_len}, context {program.max_seq_len})")
-        slotted = bool(lora_layers(program.module))
-        verify = verify_program(model, plan.max_draft) if plan.max_draft is not None else None
-        with _weights_quantized(model, program.module, program.example_inputs(), plan), \
-                (adapter_slots(program.module) if slotted else nullcontext()) as table:
-            exported = {"forward": _torch_export(program.module, program.example_inputs(), program.dynamic_shapes())}
-            if slotted:
-                plan.say(f"with LoRA slots in {len(table.slots)} layers and a {SET_ADAPTER_METHOD} method")
-                exported[SET_ADAPTER_METHOD] = set_adapter_program(program.module, table, _torch_export)
-                program.metadata[ADAPTERS_METHOD] = table.as_constant()
-            if verify is not None:
-                plan.say(f"with a {VERIFY_METHOD} method for up to {plan.max_draft} proposed tokens per call")
-                exported[VERIFY_METHOD] = _torch_export(verify.module, verify.example_inputs(), verify.dynamic_shapes())
-                program.metadata[MAX_VERIFY_METHOD] = verify.max_call_len
+        program, exported = _export_dynamic(model, plan, plan.max_seq_len, tokens)
+        if plan.draft is not None:
+            draft, draft_methods = _export_dynamic(plan.draft, plan, None, tokens, DraftProgram)
+            plan.say(f"with the draft model's methods {', '.join(DRAFT_PREFIX + name for name in draft_methods)}")
+            exported.update({DRAFT_PREFIX + name: method for name, method in draft_methods.items()})
+            program.metadata.update({DRAFT_PREFIX + name: value for name, value in draft.metadata.items()})
         return program, exported
     program = static_program(model, plan.max_seq_len, quantized=plan.activations is not None, **tokens)
     plan.say(f"exporting prefill (T={program.contract.chunk}) and decode (T=1) with static shapes")
@@ -359,6 +385,29 @@ def _export_methods(model: nn.Module, plan: ExportPlan) -> tuple[DynamicProgram 
         plan.say(f"quantizing ({plan.activations}) on {prompts} calibration prompts{with_adapters}")
         quantizer = get_backend(info.recipe.backend).quantizer(plan.activations)
         exported = quantize_static(exported, program.contract, quantizer, plan.calibration, adapters)
+    return program, exported
+
+
+def _export_dynamic(model: nn.Module, plan: ExportPlan, max_seq_len: int | None, tokens: dict,
+                    wrap: Callable[[nn.Module], nn.Module] | None = None) -> tuple[DynamicProgram, dict]:
+    """`forward`, and `set_adapter` / `verify` when the model has adapters / `plan.max_draft` is set, exported;
+    `wrap` wraps each method's module (`DraftProgram`)."""
+    program = dynamic_program(model, max_seq_len, vocab_size=plan.vocab_size, **tokens)
+    plan.say(f"exporting with torch.export (T dynamic in 1..{program.max_call_len}, context {program.max_seq_len})")
+    slotted = bool(lora_layers(program.module))
+    verify = verify_program(model, plan.max_draft) if plan.max_draft is not None else None
+    wrap = wrap or (lambda module: module)
+    with _weights_quantized(model, program.module, program.example_inputs(), plan), \
+            (adapter_slots(program.module) if slotted else nullcontext()) as table:
+        exported = {"forward": _torch_export(wrap(program.module), program.example_inputs(), program.dynamic_shapes())}
+        if slotted:
+            plan.say(f"with LoRA slots in {len(table.slots)} layers and a {SET_ADAPTER_METHOD} method")
+            exported[SET_ADAPTER_METHOD] = set_adapter_program(program.module, table, _torch_export)
+            program.metadata[ADAPTERS_METHOD] = table.as_constant()
+        if verify is not None:
+            plan.say(f"with a {VERIFY_METHOD} method for up to {plan.max_draft} proposed tokens per call")
+            exported[VERIFY_METHOD] = _torch_export(wrap(verify.module), verify.example_inputs(), verify.dynamic_shapes())
+            program.metadata[MAX_VERIFY_METHOD] = verify.max_call_len
     return program, exported
 
 

@@ -17,6 +17,7 @@ from etblocks.export.contract import CONTRACT_METHOD, StaticContract
 from etblocks.export.feeders import DynamicFeeder, StaticFeeder
 from etblocks.export.sampling import distribution, draw, sample
 from etblocks.export.speculate import (
+    DRAFT_PREFIX,
     MAX_VERIFY_METHOD,
     VERIFY_METHOD,
     Drafter,
@@ -47,6 +48,9 @@ class Runner:
     `adapters` (programs exported with LoRA adapters): `{name: adapter file}` or `{name: (file, scale)}`, read
     into host memory now; `set_adapter(name | None)` switches between them and the base model without reloading
     the program. The program starts as the base model.
+
+    `draft`: the draft model exported into the same file (`export(..., draft=...)`), as a Runner of its methods
+    over the loaded program (None: the file has none); `generate(..., speculate="draft")` proposes with it.
     """
 
     def __init__(
@@ -58,22 +62,33 @@ class Runner:
         tokenizer: Any = None,
     ) -> None:
         path = Path(path)
-        self.program = load_program(path, data_path)  # ProgramFileError for a file that is not a program
+        program = load_program(path, data_path)  # ProgramFileError for a file that is not a program
         load_kernels()  # before any method loads, after the file checks: a file that is no program fails first
-        methods = set(self.program.method_names)
+        self._open(program, path, "", decode_tail, tokenizer if tokenizer is not None else find_tokenizer(path))
+        for name, file in (adapters or {}).items():
+            self.add_adapter(name, *(file if isinstance(file, tuple) else (file,)))
+        if DRAFT_PREFIX + "forward" in program.method_names:
+            self.draft = Runner.__new__(Runner)
+            self.draft._open(program, path, DRAFT_PREFIX, None, self._tokenizer_source)
+
+    def _open(self, program: Any, path: Path, prefix: str, decode_tail: int | None, tokenizer_source: Any) -> None:
+        """Take the methods of `program` whose names start with `prefix` (a draft model's: `DRAFT_PREFIX`)."""
+        self.program, self.path, self._prefix = program, path, prefix
+        self.draft: Runner | None = None
+        methods = {name.removeprefix(prefix) for name in program.method_names if name.startswith(prefix)}
         self.eos_ids = [int(t) for t in self._constant("get_eos_ids", [])]
         self.contract: StaticContract | None = None
         self._unfed: list[int] = []  # the last generated token: part of the sequence, not yet in the caches
         if CONTRACT_METHOD in methods:
-            self.contract = StaticContract.from_constant(self.program.load_method(CONTRACT_METHOD).execute([]))
-            loaded = {name: self.program.load_method(name) for name in self.contract.methods}
+            self.contract = StaticContract.from_constant(self._load(CONTRACT_METHOD).execute([]))
+            loaded = {name: self._load(name) for name in self.contract.methods}
             self._feeder = StaticFeeder(self.contract, lambda name, inputs: run_method(loaded[name], inputs), decode_tail)
         elif "forward" in methods and "get_max_seq_len" in methods:
             max_seq_len = int(self._constant("get_max_seq_len"))
             max_context_len = int(self._constant("get_max_context_len", max_seq_len))
-            verify = self.program.load_method(VERIFY_METHOD) if VERIFY_METHOD in methods else None
+            verify = self._load(VERIFY_METHOD) if VERIFY_METHOD in methods else None
             self._feeder = DynamicFeeder(
-                self.program.load_method("forward"), max_seq_len, max_context_len, run_method, verify,
+                self._load("forward"), max_seq_len, max_context_len, run_method, verify,
                 int(self._constant(MAX_VERIFY_METHOD, 0)),
             )
         else:
@@ -83,20 +98,17 @@ class Runner:
             )
         self.adapter_table: AdapterTable | None = None
         if ADAPTERS_METHOD in methods:
-            self.adapter_table = AdapterTable.from_constant(self.program.load_method(ADAPTERS_METHOD).execute([])[0])
-            self._set_slots = self.program.load_method(SET_ADAPTER_METHOD)
+            self.adapter_table = AdapterTable.from_constant(self._load(ADAPTERS_METHOD).execute([])[0])
+            self._set_slots = self._load(SET_ADAPTER_METHOD)
         elif self.contract is not None and self.contract.adapters:
             self.adapter_table = self.contract.adapter_table  # passed with every call by the feeder
         self._adapters: dict[str, list[torch.Tensor]] = {}
         self._base_slots = self.adapter_table.inputs(None) if self.adapter_table is not None else []
         self.adapter: str | None = None
-        for name, file in (adapters or {}).items():
-            self.add_adapter(name, *(file if isinstance(file, tuple) else (file,)))
         self.last_ids: list[int] = []  # the tokens the last generate / stream / chat call produced
         self.last_speculation: SpeculationStats | None = None  # what the last speculative generation did
-        self._tokenizer_source = tokenizer if tokenizer is not None else find_tokenizer(path)
+        self._tokenizer_source = tokenizer_source
         self._tokenizer: Any = None
-        self.path = path
 
     @property
     def tokenizer(self) -> Any:
@@ -141,10 +153,13 @@ class Runner:
         self.adapter = name
         self.reset()
 
+    def _load(self, name: str) -> Any:
+        return self.program.load_method(self._prefix + name)
+
     def _constant(self, name: str, default=None):
-        if name not in self.program.method_names:
+        if self._prefix + name not in self.program.method_names:
             return default
-        value = self.program.load_method(name).execute([])
+        value = self._load(name).execute([])
         return value if len(value) > 1 or name == "get_eos_ids" else value[0]
 
     @property
@@ -210,7 +225,8 @@ class Runner:
         the sequence's last tokens, and check them in one call (`etblocks.export.speculate`): the same tokens as
         without it at temperature 0, the same distribution when sampling; `last_speculation` says how many were
         kept. A callable `(tokens so far, max tokens) -> tokens` proposes instead; so does a `Runner` of a smaller
-        program with the same tokenizer (a draft model, `DraftModel`), which then follows the sequence too. Needs a
+        program with the same tokenizer (a draft model, `DraftModel`), which then follows the sequence too, and
+        `speculate="draft"` the draft model exported into this program's file (`draft`). Needs a
         program that checks several tokens per call: a dynamic one exported with `max_draft`, or a static one with
         caller-owned state."""
         tokens = self._tokens(self._ids(prompt), max_new_tokens, eos, temperature, top_p, seed, fresh, speculate,
@@ -285,6 +301,13 @@ class Runner:
         """The drafter `speculate` asks for, after checking it, `max_draft` and that this program can check
         proposals."""
         check_max_draft(max_draft)
+        if isinstance(speculate, str) and speculate == "draft":
+            if self.draft is None:
+                raise ConfigError(
+                    f"speculate='draft' needs a draft model in the program's file; {self.path.name} has none: export "
+                    "with etblocks.export(..., max_draft=N, draft=smaller_model), or give speculate=Runner(draft.pte)"
+                )
+            speculate = self.draft
         if isinstance(speculate, Runner):
             if speculate is self:
                 raise ConfigError("speculate= is this Runner itself; give the Runner of a smaller program as the draft")

@@ -22,12 +22,15 @@ import torch
 from etblocks.errors import ConfigError
 from etblocks.export.sampling import distribution, draw, greedy_token, sample
 
-SPECULATE_MODES = ("prompt_lookup",)
+SPECULATE_MODES = ("prompt_lookup", "draft")
 # A dynamic program exported with `max_draft` has this method: `verify(tokens [1, T], input_pos [1]) -> logits
 # [1, T, V]`, T up to the value of the constant method MAX_VERIFY_METHOD, over the same state as `forward`.
 VERIFY_METHOD = "verify"
 MAX_VERIFY_METHOD = "get_max_verify_len"
 MAX_NGRAM = 3  # the longest suffix prompt lookup matches
+# A draft model exported into the target's file (`export(..., draft=...)`): its methods and constants, this prefix
+# before their names (`draft_forward`, `draft_verify`, `draft_get_max_seq_len`, ...).
+DRAFT_PREFIX = "draft_"
 
 
 @dataclass

@@ -32,6 +32,19 @@ class VerifyProgram(DecoderProgram):
     last_only = False
 
 
+class DraftProgram(nn.Module):
+    """A draft model's program (`DecoderProgram`, `VerifyProgram`) with its weights and state under `draft.`: in
+    the target's file, methods that name the same buffer share it, so the draft's must not take the target's
+    names."""
+
+    def __init__(self, program: nn.Module) -> None:
+        super().__init__()
+        self.draft = program
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        return self.draft(tokens, input_pos)
+
+
 class StateInputsProgram(nn.Module):
     """The static contract with caller-owned state (see `etblocks.export.contract`):
     `forward(tokens [1, T], positions [1, T], *masks [T, L + T], *state) -> (logits [1, T, V], *updates)`, where

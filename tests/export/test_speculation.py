@@ -114,6 +114,61 @@ def test_draft_model_speculation_is_hf_generate(programs, drafts, draft):
             assert stats.accepted < stats.drafted, (draft, kind, stats)
 
 
+def swapped_draft(seed: int = 7, layers: int = 1, context: int = CONTEXT, **overrides) -> torch.nn.Module:
+    """A llama (by default one layer with other weights than the target's) swapped for dynamic XNNPACK programs."""
+    draft = tiny_model("llama", seed=seed, num_hidden_layers=layers, **overrides)
+    return etblocks.swap(draft, backend="xnnpack", max_seq_len=context)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draft", ["same", "smaller"])
+def test_draft_model_in_the_targets_file_is_hf_generate(drafts, draft, tmp_path):
+    """`export(..., draft=)` puts the draft's forward and verify in the target's file, its weights and state under
+    their own names. speculate="draft" gives HF generate's tokens and proposes exactly what the same draft in a file
+    of its own proposes: every token with the target's own weights, others with a one-layer model of other weights
+    (whose layer-0 caches have the target's shapes: were they one buffer, the target's tokens would change). The
+    target's plain forward is untouched."""
+    original, target = swapped_family("llama", "xnnpack", max_seq_len=CONTEXT)
+    model = swapped_draft(seed=0, layers=2) if draft == "same" else swapped_draft()
+    result = etblocks.export(target, backend="xnnpack", out=tmp_path / "both.pte", max_draft=MAX_DRAFT, draft=model)
+    assert {"forward", "verify", "draft_forward", "draft_verify", "draft_get_max_verify_len"} <= set(result.methods)
+    runner = etblocks.Runner(result.path)
+    assert runner.draft is not None and runner.draft.vocab_size == VOCAB
+    separate = etblocks.Runner(drafts[draft])  # the same model in a file of its own
+    for kind, prompt in PROMPTS.items():
+        expected = hf_greedy(original, torch.tensor([prompt]), NEW_TOKENS)
+        assert runner.generate(prompt, NEW_TOKENS) == expected, kind
+        assert runner.generate(prompt, NEW_TOKENS, speculate="draft") == expected, kind
+        embedded = runner.last_speculation
+        assert embedded.drafted > 0, (kind, embedded)
+        if draft == "same":
+            assert embedded.accepted == embedded.drafted, (kind, embedded)
+        assert runner.generate(prompt, NEW_TOKENS, speculate=separate) == expected, kind
+        assert runner.last_speculation == embedded, kind
+
+
+@pytest.mark.slow
+def test_export_refuses_a_draft_it_cannot_hold(programs, tmp_path):
+    """Before any work, naming what is wrong: a draft without max_draft, with another vocabulary, with a shorter
+    context or static shapes; speculate="draft" on a file without one."""
+    _, target = swapped_family("llama", "xnnpack", max_seq_len=CONTEXT)
+    out = tmp_path / "both.pte"
+    with pytest.raises(ConfigError, match="draft= needs max_draft=N"):
+        etblocks.export(target, backend="xnnpack", out=out, draft=swapped_draft())
+    with pytest.raises(ConfigError, match=f"draft= has a vocabulary of {VOCAB + 1} tokens, the model {VOCAB}"):
+        etblocks.export(target, backend="xnnpack", out=out, max_draft=MAX_DRAFT, draft=swapped_draft(vocab_size=VOCAB + 1))
+    with pytest.raises(ConfigError, match=f"draft= was swapped for max_seq_len=64, the program holds {CONTEXT}"):
+        etblocks.export(target, backend="xnnpack", out=out, max_draft=MAX_DRAFT, draft=swapped_draft(context=64))
+    static = etblocks.swap(tiny_model("llama", num_hidden_layers=1), backend="xnnpack", max_seq_len=CONTEXT,
+                           shapes="static", chunk=8)
+    with pytest.raises(ConfigError, match="draft=: max_draft=4 is for dynamic programs"):
+        etblocks.export(target, backend="xnnpack", out=out, max_draft=MAX_DRAFT, draft=static)
+    assert not list(tmp_path.iterdir())
+    _, _, result = programs("llama")
+    with pytest.raises(ConfigError, match="speculate='draft' needs a draft model in the program's file"):
+        etblocks.Runner(result.path).generate([5, 6, 7], 4, speculate="draft")
+
+
 @pytest.mark.slow
 def test_draft_model_that_cannot_follow_is_refused(programs, tmp_path):
     """A dynamic draft without `verify` could not drop rejected tokens; a draft is not the target itself."""
