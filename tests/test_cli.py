@@ -169,6 +169,26 @@ def test_help_and_an_unknown_backend_answer_without_importing_torch(tmp_path):
 
 
 @pytest.mark.slow
+def test_run_asks_for_one_mkl_thread_before_torch_loads(demo_export):
+    """`etblocks run` sets MKL_NUM_THREADS=1 before anything loads torch (ExecuTorch's attention kernel calls MKL from
+    inside its own thread pool), keeps a value the user set, and cannot once torch is loaded (MKL has read it)."""
+    from etblocks.threads import prefer_single_threaded_blas
+
+    _, pte, _ = demo_export
+    script = ("import os\nfrom etblocks.cli import main\n"
+              f"assert main(['run', '--pte', {str(pte)!r}, '--prompt-ids', '1,2', '--max-new-tokens', '2']) == 0\n"
+              "print('MKL_NUM_THREADS', os.environ.get('MKL_NUM_THREADS'))")
+    for preset, expected in ((None, "1"), ("2", "2")):
+        env = {k: v for k, v in os.environ.items() if k != "MKL_NUM_THREADS"}
+        if preset is not None:
+            env["MKL_NUM_THREADS"] = preset
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
+        assert f"MKL_NUM_THREADS {expected}" in done.stdout, done.stdout
+    environ: dict[str, str] = {}
+    assert not prefer_single_threaded_blas(environ, {"torch": object()}) and environ == {}
+
+
+@pytest.mark.slow
 def test_run_text_prompt_with_tokenizer(demo_export, demo_hf, tmp_path, capsys):
     tokenizers = pytest.importorskip("tokenizers")
     from tokenizers.models import WordLevel

@@ -105,17 +105,21 @@ def lookup_drafter(speculate: str | Proposer) -> LookupDrafter:
 
 
 def prompt_lookup(history: Sequence[int], max_draft: int, max_ngram: int = MAX_NGRAM) -> list[int]:
-    """Up to `max_draft` tokens that followed the latest earlier occurrence of the sequence's last n tokens (n from
-    `max_ngram` down to 1), or none when no suffix occurred before."""
+    """Up to `max_draft` tokens that followed the latest earlier occurrence of the sequence's last n tokens (the
+    longest n up to `max_ngram` that occurred before), or none when not even the last token did. One comparison
+    over the sequence finds where the last token occurred before; each longer suffix only checks those places."""
     tokens = numpy.asarray(history, dtype=numpy.int64)
-    for n in range(min(max_ngram, tokens.size - 1), 0, -1):
-        # Windows of the sequence without its last token: every match has at least one token after it.
-        windows = numpy.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
-        matches = numpy.flatnonzero((windows == tokens[-n:]).all(axis=1))
-        if matches.size:
-            start = int(matches[-1]) + n
-            return tokens[start : start + max_draft].tolist()
-    return []
+    ends = numpy.flatnonzero(tokens[:-1] == tokens[-1])  # where an earlier match would end: a token follows it
+    if not ends.size:
+        return []
+    end = ends[-1]
+    for n in range(2, min(max_ngram, tokens.size - 1) + 1):
+        ends = ends[ends >= n - 1]
+        ends = ends[tokens[ends - (n - 1)] == tokens[-n]]
+        if not ends.size:
+            break
+        end = ends[-1]
+    return tokens[end + 1 : end + 1 + max_draft].tolist()
 
 
 def accept(

@@ -259,6 +259,24 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
     assert prompt_lookup([4, 4], 3) == [4]
 
 
+def test_prompt_lookup_is_its_definition_on_random_sequences():
+    """Against the definition written out: for n = 3, 2, 1, the latest start i with history[i:i+n] equal to the last
+    n tokens and a token after it; the tokens from i + n."""
+
+    def defined(history: list[int], limit: int) -> list[int]:
+        for n in range(min(3, len(history) - 1), 0, -1):
+            starts = [i for i in range(len(history) - n) if history[i : i + n] == history[-n:]]
+            if starts:
+                return history[starts[-1] + n : starts[-1] + n + limit]
+        return []
+
+    generator = numpy.random.default_rng(0)
+    for _ in range(2000):
+        history = generator.integers(0, 4, size=int(generator.integers(1, 40))).tolist()
+        limit = int(generator.integers(1, 6))
+        assert prompt_lookup(history, limit) == defined(history, limit), history
+
+
 def test_bad_speculation_options_are_refused():
     with pytest.raises(ConfigError, match="speculate='ngram'"):
         lookup_drafter("ngram")
