@@ -166,11 +166,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     for name, directory in (options["adapters"] or {}).items():
         layers = etblocks.load_adapter(model, directory, name=name)
         say(f"loaded adapter {name!r} from {directory} ({len(layers)} layers)")
-    draft = None
-    if options["draft_model"] is not None:
-        say(f"loading the draft model {options['draft_model']} and swapping it for {backend}")
-        draft = load_checkpoint(options["draft_model"], dtype=dtype)
-        etblocks.swap(draft, backend=backend, max_seq_len=info.max_seq_len, verify=verify, **overrides)
 
     if options["check"]:
         from etblocks.export.driver import check_readiness
@@ -180,6 +175,11 @@ def cmd_export(args: argparse.Namespace) -> int:
         )
         print(report, flush=True)
         return 0 if report.ready else 1
+    draft = None
+    if options["draft_model"] is not None:
+        say(f"loading the draft model {options['draft_model']} and swapping it for {backend}")
+        draft = load_checkpoint(options["draft_model"], dtype=dtype)
+        etblocks.swap(draft, backend=backend, max_seq_len=info.max_seq_len, verify=verify, **overrides)
     result = etblocks.export(
         model, backend=backend, out=out, max_seq_len=info.max_seq_len, bos_id=options["bos_id"],
         eos_ids=options["eos_ids"], quantize_weights=options["quantize_weights"], group_size=options["group_size"],

@@ -369,8 +369,8 @@ def _export_methods(model: nn.Module, plan: ExportPlan) -> tuple[DynamicProgram 
     if not (info is not None and info.recipe.static):
         program, exported = _export_dynamic(model, plan, plan.max_seq_len, tokens)
         if plan.draft is not None:
+            plan.say(f"the draft model, its methods named {DRAFT_PREFIX}*")
             draft, draft_methods = _export_dynamic(plan.draft, plan, None, tokens, DraftProgram)
-            plan.say(f"with the draft model's methods {', '.join(DRAFT_PREFIX + name for name in draft_methods)}")
             exported.update({DRAFT_PREFIX + name: method for name, method in draft_methods.items()})
             program.metadata.update({DRAFT_PREFIX + name: value for name, value in draft.metadata.items()})
         return program, exported
