@@ -3,7 +3,8 @@
 Rows: (a) etblocks (swap + export), (b) transformers' static-cache export (token-by-token prefill), (c) ExecuTorch's
 llama example (custom SDPA and KV cache), (d) transformers' ExecutorchExporter (prefill.pte + decode.pte), (e) eager
 PyTorch (not run by default). Each row is exported, then timed in a fresh process in `--rounds` interleaved rounds
-of one prefill of the prompt and `--decode-steps` greedy steps (`harness`): decode and prefill tok/s, export
+(each round starting one row later) of one untimed prefill, one timed prefill of the prompt and `--decode-steps`
+greedy steps (`harness`): decode and prefill tok/s, export
 seconds, .pte MB, ratios to (a), decode as % of the memory roofline. Every row's greedy tokens must equal eager
 transformers' `generate()` on the same weights, or the script exits 1. Results: benchmarks/results/decode.json.
 
@@ -188,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     specs = select_paths(args.rows, PATHS)
     bench = make_bench(args)
     reference = eager_reference_tokens(bench)
-    rows, bandwidths = run_paths(specs, bench, keep_files=args.out_dir is not None)
+    rows, bandwidths = run_paths(specs, bench, keep_files=args.out_dir is not None, warm_prefill=True)
     weight_bytes = bench.shape.weight_bytes_per_token()
     roofline_tps = statistics.median(bandwidths) / weight_bytes
 

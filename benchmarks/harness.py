@@ -715,10 +715,12 @@ def prepare_path(spec: PathSpec, bench: Bench) -> tuple[Row, Driver | None]:
 
 def time_rows(prepared: list[tuple[Row, Driver | None]], bench: Bench, warm_prefill: bool = False) -> list[float]:
     """Time the loaded rows in interleaved rounds, appending to each row's runs; returns the read bandwidth
-    samples (bytes/s), one per round. `warm_prefill` as in `time_round`."""
+    samples (bytes/s), one per round. Each round starts one row later (a, b, c; b, c, a; ...): no row is always
+    the first after the bandwidth sample. `warm_prefill` as in `time_round`."""
     bandwidths = []
     for round_index in range(bench.rounds):
-        for row, driver in prepared:
+        shift = round_index % max(1, len(prepared))
+        for row, driver in prepared[shift:] + prepared[:shift]:
             if driver is None or row.status != "ok":
                 continue
             try:

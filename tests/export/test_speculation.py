@@ -149,12 +149,22 @@ def test_draft_model_in_the_targets_file_is_hf_generate(drafts, draft, tmp_path)
 
 @pytest.mark.slow
 def test_export_refuses_a_draft_it_cannot_hold(programs, tmp_path):
-    """Before any work, naming what is wrong: a draft without max_draft, with another vocabulary, with a shorter
-    context or static shapes; speculate="draft" on a file without one."""
+    """Before any work, naming what is wrong: a draft without max_draft, the model itself, with another vocabulary,
+    with a shorter context, static shapes or LoRA adapters; speculate="draft" on a file without one."""
+    from peft_refs import make_adapter
+
     _, target = swapped_family("llama", "xnnpack", max_seq_len=CONTEXT)
     out = tmp_path / "both.pte"
     with pytest.raises(ConfigError, match="draft= needs max_draft=N"):
         etblocks.export(target, backend="xnnpack", out=out, draft=swapped_draft())
+    with pytest.raises(ConfigError, match="draft= is the model being exported"):
+        etblocks.export(target, backend="xnnpack", out=out, max_draft=MAX_DRAFT, draft=target)
+    adapted = tiny_model("llama", seed=7, num_hidden_layers=1)
+    make_adapter(adapted, tmp_path / "adapter", seed=0, r=2, target_modules=["q_proj"])
+    etblocks.swap(adapted, backend="xnnpack", max_seq_len=CONTEXT)
+    etblocks.load_adapter(adapted, tmp_path / "adapter", name="a")
+    with pytest.raises(ConfigError, match="draft= holds LoRA adapters"):
+        etblocks.export(target, backend="xnnpack", out=out, max_draft=MAX_DRAFT, draft=adapted)
     with pytest.raises(ConfigError, match=f"draft= has a vocabulary of {VOCAB + 1} tokens, the model {VOCAB}"):
         etblocks.export(target, backend="xnnpack", out=out, max_draft=MAX_DRAFT, draft=swapped_draft(vocab_size=VOCAB + 1))
     with pytest.raises(ConfigError, match=f"draft= was swapped for max_seq_len=64, the program holds {CONTEXT}"):
@@ -163,7 +173,7 @@ def test_export_refuses_a_draft_it_cannot_hold(programs, tmp_path):
                            shapes="static", chunk=8)
     with pytest.raises(ConfigError, match="draft=: max_draft=4 is for dynamic programs"):
         etblocks.export(target, backend="xnnpack", out=out, max_draft=MAX_DRAFT, draft=static)
-    assert not list(tmp_path.iterdir())
+    assert not out.exists()
     _, _, result = programs("llama")
     with pytest.raises(ConfigError, match="speculate='draft' needs a draft model in the program's file"):
         etblocks.Runner(result.path).generate([5, 6, 7], 4, speculate="draft")
