@@ -15,7 +15,7 @@ HEAVIEST_FIRST = (
     "tests/swap/test_hf_families.py",
     "tests/export/test_qnn_recipe.py",
     "tests/moe/test_moe_programs.py",
-    "tests/test_benchmarks.py",  # ~11 min of smoke runs (680 s summed over its tests here): was the last file to end
+    "tests/test_benchmarks.py",  # ~11 min of smoke runs (680 s summed over its tests on this machine kind)
     "tests/swap/test_torchtune_families.py",
     "tests/export/test_static_programs.py",
     "tests/export/test_hybrid_programs.py",
