@@ -780,14 +780,18 @@ def in_fresh_process(function: Callable[..., Any], *args: Any) -> Any:
     """`function(*args)` in a newly spawned Python process (function, arguments and result pickled), with torch's
     MKL on one thread unless `MKL_NUM_THREADS` says otherwise (`etblocks.threads`: ExecuTorch's attention kernel calls
     MKL from inside its own thread pool; `etblocks run` does the same)."""
-    environ = dict(os.environ)
-    prefer_single_threaded_blas(os.environ, {})  # for the new process, which loads torch anew
+    added = prefer_single_threaded_blas(os.environ, {})  # for the new process, which loads torch anew
     try:
         with multiprocessing.get_context("spawn").Pool(1) as pool:
             return pool.apply(function, args)
     finally:
-        os.environ.clear()
-        os.environ.update(environ)
+        if added:
+            del os.environ[BLAS_THREADS_ENV]
+
+
+def timing_mkl_threads() -> str:
+    """MKL's thread count in the processes `in_fresh_process` starts."""
+    return os.environ.get(BLAS_THREADS_ENV, "1")
 
 
 def _time_loaded(payload: list[tuple[Row, bytes | None]], bench: Bench,
@@ -1141,7 +1145,7 @@ def run_info() -> dict[str, Any]:
     git = git_commit()
     return {"git_commit": git["commit"], "git_dirty": git["dirty"], "etblocks_path": str(Path(etblocks.__file__).parent),
             "versions": package_versions(), "cpu": describe_cpu(), "cpu_flags": cpu_flags(),
-            "timing_mkl_threads": os.environ.get(BLAS_THREADS_ENV, "1"),  # as `in_fresh_process` sets it
+            "timing_mkl_threads": timing_mkl_threads(),
             "threads": torch.get_num_threads(), "python": platform.python_version(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 

@@ -59,10 +59,11 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     describe_cpu,
     finish,
     in_fresh_process,
+    paired_median,
     parse_with_smoke,
-    run_info,
     spread,
     spread_record,
+    timing_mkl_threads,
 )
 from quant import COPY_PROB, TRAINED_SHAPE, Corpus, Training, train_model
 
@@ -232,11 +233,15 @@ def time_everything(path: Path, cost_paths: dict[str, Path], prompts: dict[str, 
 # Tables
 
 
+def speed_up(runs: dict[str, dict[str, list[RowRun]]], set_key: str, key: str) -> float:
+    """Row `key`'s decode speed over plain decoding's on one prompt set: the median of per-round ratios."""
+    return paired_median([r.tps for r in runs[set_key][key]], [r.tps for r in runs[set_key]["a"]])
+
+
 def speed_table(runs: dict[str, dict[str, list[RowRun]]], prompt_count: int, new_tokens: int) -> str:
     headers = ["prompts", "row", "decode tok/s", "speed-up", "proposed", "kept", "acceptance", "tokens/call"]
     lines = []
     for set_key, name in SETS.items():
-        plain = [r.tps for r in runs[set_key]["a"]]
         for key, row_name in ROWS.items():
             row_runs = runs[set_key][key]
             tps = [r.tps for r in row_runs]
@@ -244,7 +249,7 @@ def speed_table(runs: dict[str, dict[str, list[RowRun]]], prompt_count: int, new
             speculative = key != "a"
             lines.append([
                 f"({set_key}) {name}", f"({key}) {row_name}", spread(tps, ".0f"),
-                f"{statistics.median(t / p for t, p in zip(tps, plain)):.2f}x",
+                f"{speed_up(runs, set_key, key):.2f}x",
                 str(first.drafted) if speculative else "-", str(first.accepted) if speculative else "-",
                 f"{first.accepted / first.drafted:.0%}" if speculative and first.drafted else "-",
                 f"{first.generated / first.calls:.2f}" if speculative and first.calls else "1.00",
@@ -256,7 +261,7 @@ def speed_table(runs: dict[str, dict[str, list[RowRun]]], prompt_count: int, new
 
 def cost_table(costs: dict[str, dict[str, list[float]]], labels: dict[str, str]) -> str:
     columns = list(next(iter(costs.values())))
-    headers = ["program", "forward 1 token ms", *(c.replace("verify ", "verify ") + " / forward" for c in columns[1:])]
+    headers = ["program", "forward 1 token ms", *(c + " / forward" for c in columns[1:])]
     lines = []
     for name, seconds in costs.items():
         base = statistics.median(seconds["forward"])
@@ -269,7 +274,7 @@ def cost_table(costs: dict[str, dict[str, list[float]]], labels: dict[str, str])
 def target_lines(runs: dict[str, dict[str, list[RowRun]]]) -> str:
     out = ["targets (row (b), prompt lookup; median of per-round ratios to (a)):"]
     for set_key, goal in TARGETS.items():
-        ratio = statistics.median(b.tps / a.tps for b, a in zip(runs[set_key]["b"], runs[set_key]["a"]))
+        ratio = speed_up(runs, set_key, "b")
         verdict = "PASS" if ratio >= goal else "FAIL"
         out.append(f"  {verdict}  ({set_key}) {SETS[set_key]}: {ratio:.2f}x (goal >= {goal}x)")
     return "\n".join(out)
@@ -338,13 +343,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     checks = Checks()
     for set_key in SETS:
         expected = [t for tokens in references[set_key] for t in tokens]
-        for key in ROWS:
-            for round_run in runs[set_key][key]:
-                got = [t for tokens in round_run.tokens for t in tokens]
-                check = check_tokens(key, got, expected, f"transformers generate ({set_key})")
-                if not check.ok or round_run is runs[set_key][key][-1]:
-                    checks.add(check)
-                    break
+        for key in ROWS:  # every round's tokens; the check of the first round that disagrees, else the last
+            rounds = [check_tokens(key, [t for tokens in run.tokens for t in tokens], expected,
+                                   f"transformers generate ({set_key})") for run in runs[set_key][key]]
+            checks.add(next((check for check in rounds if not check.ok), rounds[-1]))
 
     from executorch.extension.pybindings.portable_lib import _threadpool_get_thread_count
 
@@ -352,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"Speculative decoding, dynamic XNNPACK programs with max_draft {args.max_draft}; {_threadpool_get_thread_count()} "
         f"ExecuTorch threads; {args.rounds} rounds",
         describe_cpu(),
-        f"timing process: MKL_NUM_THREADS={run_info()['timing_mkl_threads']} (ExecuTorch's attention kernel calls torch's "
+        f"timing process: MKL_NUM_THREADS={timing_mkl_threads()} (ExecuTorch's attention kernel calls torch's "
         "MKL from inside its own thread pool; see etblocks/threads.py)",
         f"target: {descriptions['target']}",
         f"draft: {descriptions['draft']}",
@@ -364,7 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\n" + text)
 
     records = {set_key: {key: {"name": ROWS[key], "decode_tps": spread_record([r.tps for r in row_runs]),
-                               "speed_up": statistics.median(r.tps / a.tps for r, a in zip(row_runs, runs[set_key]["a"])),
+                               "speed_up": speed_up(runs, set_key, key),
                                "drafted": row_runs[0].drafted, "accepted": row_runs[0].accepted,
                                "calls": row_runs[0].calls, "generated": row_runs[0].generated}
                          for key, row_runs in set_runs.items()} for set_key, set_runs in runs.items()}
