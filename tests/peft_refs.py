@@ -64,3 +64,16 @@ def swapped_with(base: torch.nn.Module, dirs: dict[str, Path], backend: str = "x
     for name, directory in dirs.items():
         etblocks.load_adapter(model, directory, name=name)
     return model
+
+
+def first_layer_groups(table) -> list[tuple[str, ...]]:
+    """The projections of layer 0 whose slots share one `slot_a` (a group of one: its own), by last name."""
+    groups: dict[int, set[str]] = {}
+    for index, slot in enumerate(table.slots):
+        if ".layers.0." in slot.target:
+            groups.setdefault(index if slot.group is None else slot.group, set()).add(slot.target.rsplit(".", 1)[1])
+    return sorted(tuple(sorted(names)) for names in groups.values())
+
+
+# q/k/v read the attention norm's output, gate/up the MLP norm's: one x @ A^T each.
+SHARED_INPUT_GROUPS = [("down_proj",), ("gate_proj", "up_proj"), ("k_proj", "q_proj", "v_proj"), ("o_proj",)]

@@ -50,6 +50,34 @@ class LoRAWeights(nn.Module):
         return f"rank={self.rank}, scale={self.scale:g}"
 
 
+def batch_of_one(slot: torch.Tensor) -> torch.Tensor:
+    """`slot` as `[1, *shape]` for `bmm`, by `view`: ExecuTorch runs a view of a buffer as an alias of it, where
+    `slot[None]` (unsqueeze) would copy the whole slot on every call."""
+    return slot.view(1, *slot.shape)
+
+
+class SharedInput:
+    """The LoRA layers of a program that read one input tensor (q/k/v, gate/up, a single-head block's per-head
+    parts) and so share one `x @ A^T`: their `slot_a` holds every target's A side by side and each layer's
+    `slot_b` its own B in its target's rows (zeros elsewhere). The first layer called computes the product and
+    the others reuse it while their input is that same tensor object and the slot is unchanged: an input
+    computed anew is projected anew, so a reuse is never stale. `owner` holds the group's `slot_a` buffer
+    (dynamic programs; a static program passes it with every call)."""
+
+    def __init__(self, owner: LoRALinear | None = None) -> None:
+        self.owner = owner
+        self._last: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor] | None = None
+
+    def project(self, x: torch.Tensor, flat: torch.Tensor, slot_a: torch.Tensor) -> torch.Tensor:
+        """`flat @ slot_a` (`flat` is `x` as `[1, N, in]`), computed once per input `x` and slot."""
+        last = self._last
+        if last is not None and last[0] is x and last[1] is slot_a and last[2] == slot_a._version:
+            return last[3]
+        projected = torch.bmm(flat, batch_of_one(slot_a))
+        self._last = (x, slot_a, slot_a._version, projected)
+        return projected
+
+
 class LoRALinear(nn.Module):
     """`base(x) + active_adapter(x)`; with no active adapter (`active is None`) exactly `base(x)`.
 
@@ -65,6 +93,7 @@ class LoRALinear(nn.Module):
         self.target = target
         self.rows = rows
         self.slot_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.shared_input: SharedInput | None = None
         self.adapters = nn.ModuleDict()
         self.active: str | None = None
         self.merged: str | None = None
@@ -120,31 +149,46 @@ class LoRALinear(nn.Module):
     def max_rank(self) -> int:
         return max((weights.rank for weights in self.adapters.values()), default=0)
 
-    def add_slot(self, rank: int) -> None:
-        """Run the LoRA path from two zeroed buffers, `slot_a [in, rank]` (A^T) and `slot_b [rank, out]` (scale *
+    def add_slot(self, rank: int, owns_a: bool = True) -> None:
+        """Run the LoRA path from zeroed buffers, `slot_a [in, rank]` (A^T) and `slot_b [rank, out]` (scale *
         B^T), instead of the named adapters: an exported program keeps them as mutable state that a method fills
-        at run time with any adapter of rank <= `rank` (zero-padded; all zeros is the base model)."""
+        at run time with any adapter of rank <= `rank` (zero-padded; all zeros is the base model). A layer whose
+        `shared_input` another layer owns (`owns_a=False`) reads that layer's `slot_a`."""
         if self.merged is not None:
             raise ValueError(f"adapter {self.merged!r} is merged into the base; unmerge() before adding a slot")
         dtype = self._base_weight().dtype
-        self.register_buffer("slot_a", torch.zeros(self.in_features, rank, dtype=dtype), persistent=False)
+        if owns_a:
+            self.register_buffer("slot_a", torch.zeros(self.in_features, rank, dtype=dtype), persistent=False)
         self.register_buffer("slot_b", torch.zeros(rank, self.out_features, dtype=dtype), persistent=False)
 
     def remove_slot(self) -> None:
-        del self.slot_a, self.slot_b
+        self._buffers.pop("slot_a", None)
+        del self.slot_b
+        self.shared_input = None
 
     @property
     def has_slot(self) -> bool:
-        return "slot_a" in self._buffers
+        return "slot_b" in self._buffers
+
+    def _slots(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`slot_inputs` (a static program's inputs, set by the program for one call), else the slot buffers."""
+        if self.slot_inputs is not None:
+            return self.slot_inputs
+        if not self.has_slot:
+            return None
+        owner = self if self.shared_input is None or self.shared_input.owner is None else self.shared_input.owner
+        return owner.slot_a, self.slot_b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """`slot_inputs` (a static program's `(slot_a, slot_b)` inputs, set by the program for one call) come
-        first, then the slot buffers, then the named adapters."""
+        """The slots (see `_slots`) come first, then the named adapters."""
         y = self.base(x)
-        slots = self.slot_inputs or ((self.slot_a, self.slot_b) if self.has_slot else None)
+        slots = self._slots()
         if slots is not None:  # batched matmuls over views of the slots: a delegate takes them as inputs, not constants
+            slot_a, slot_b = slots
             flat = x if x.dim() == 3 and x.shape[0] == 1 else x.reshape(1, -1, x.shape[-1])
-            delta = torch.bmm(torch.bmm(flat, slots[0][None]), slots[1][None])
+            shared = self.shared_input
+            projected = torch.bmm(flat, batch_of_one(slot_a)) if shared is None else shared.project(x, flat, slot_a)
+            delta = torch.bmm(projected, batch_of_one(slot_b))
             return y + (delta if flat is x else delta.view(y.shape))
         if self.active is None or self.merged is not None:
             return y

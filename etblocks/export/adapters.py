@@ -1,6 +1,8 @@
 """Adapters switched at run time: every `LoRALinear` computes its LoRA path from a "slot", `slot_a = A^T
 [in, r]` and `slot_b = scale * B^T [r, out]`, zero-padded to the largest rank loaded there (all zeros is the
-base model).
+base model). Layers that read one input (q/k/v, gate/up, a single-head block's heads) share one `slot_a` with
+their targets' A side by side, so a program computes `x @ A^T` once for them (`SharedInput`): the LoRA path of
+a layer costs two small matmuls with operands that arrive at run time, and most of that is per call.
 
 - Dynamic programs keep the slots as mutable buffers that a second method, `set_adapter(a_0, b_0, a_1, ...)`,
   copies new values into. Both methods share them (`share_mutable_buffers`), so a switch is one call moving the
@@ -10,8 +12,8 @@ base model).
   runner passes the active adapter's slots with every `prefill` and `decode`. The table is in the contract.
 
 A delegate must not read slot buffers: it would serialize their initial zeros as constants and ignore every
-switch. `keep_slots_on_cpu` leaves the ops that read them (the `[None]` views `LoRALinear` takes) on CPU, so the
-LoRA matmuls, delegated with everything else, receive the slots as run-time inputs.
+switch. `keep_slots_on_cpu` leaves the ops that read them (the views `LoRALinear` takes, aliases of the buffers
+at run time) on CPU, so the LoRA matmuls, delegated with everything else, receive the slots as run-time inputs.
 """
 
 from __future__ import annotations
@@ -22,12 +24,12 @@ import types
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
-from etblocks.adapters.lora import LoRALinear, LoRATensors
+from etblocks.adapters.lora import LoRALinear, LoRATensors, SharedInput
 from etblocks.errors import AdapterMismatchError, ConfigError
 from etblocks.export.hybrid import keep_on_cpu
 
@@ -38,46 +40,76 @@ SLOT_BUFFERS = ("slot_a", "slot_b")
 
 @dataclass(frozen=True)
 class AdapterSlot:
-    """One `LoRALinear` of the program: it computes output `rows` (None: all) of upstream module `target`."""
+    """One `LoRALinear` of the program: it computes output `rows` (None: all) of upstream module `target`, from
+    adapters of rank <= `rank`. `group` is the index of the first slot of the layers that share its input and so
+    one `slot_a` (`SharedInput`); None, its own (programs before groups have none)."""
 
     target: str
     rows: tuple[int, int] | None
     in_features: int
     out_features: int
     rank: int
+    group: int | None = None
 
     @classmethod
     def from_dict(cls, body: dict) -> AdapterSlot:
         """From its JSON form (`rows` a list there)."""
         return cls(**{**body, "rows": tuple(body["rows"]) if body["rows"] else None})
 
-    def inputs(self, tensors: LoRATensors | None, scale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(slot_a [in, rank], slot_b [rank, out])` for this layer's part of `tensors` (None: zeros)."""
-        slot_a = torch.zeros(self.in_features, self.rank, dtype=dtype)
-        slot_b = torch.zeros(self.rank, self.out_features, dtype=dtype)
-        if tensors is not None:
-            lora_A, lora_B, factor = tensors
-            lora_B = lora_B if self.rows is None else lora_B[self.rows[0] : self.rows[1]]
-            rank = lora_A.shape[0]
-            slot_a[:, :rank] = lora_A.T
-            slot_b[:rank] = lora_B.T * (factor * scale)
-        return slot_a, slot_b
-
 
 @dataclass(frozen=True)
 class AdapterTable:
-    """The program's slots in `set_adapter`'s input order, and their dtype."""
+    """The program's slots and their dtype. `set_adapter` (and a static program after its other inputs) takes,
+    slot by slot, the group's `slot_a [in, R]` at the group's first slot, then the slot's `slot_b [R, out]`: R
+    is the sum of the ranks of the group's targets, each target's A in its own columns."""
 
     slots: tuple[AdapterSlot, ...]
     dtype: str
+
+    def columns(self) -> dict[int, dict[str, tuple[int, int]]]:
+        """Per group (the index of its first slot): `{target: (first column, rank)}` of its `slot_a`; the group's
+        width is `group_rank` of it."""
+        groups: dict[int, dict[str, tuple[int, int]]] = {}
+        for index, slot in enumerate(self.slots):
+            columns = groups.setdefault(index if slot.group is None else slot.group, {})
+            if slot.target not in columns:
+                columns[slot.target] = (group_rank(columns), slot.rank)
+        return groups
+
+    def input_names(self) -> list[str]:
+        """`slot_a.<i>` for each group's first slot `i`, `slot_b.<i>` for every slot, in input order."""
+        return [
+            name for index, slot in enumerate(self.slots)
+            for name in ([f"slot_a.{index}"] if slot.group in (None, index) else []) + [f"slot_b.{index}"]
+        ]
 
     def inputs(self, tensors: dict[str, LoRATensors] | None, scale: float = 1.0) -> list[torch.Tensor]:
         """`set_adapter`'s inputs for an adapter (`{target: LoRATensors}`; None: the base model), checked first:
         `AdapterMismatchError` for a target the program lacks or a shape or rank that does not fit."""
         if tensors is not None:
             self.check(tensors)
+        tensors = tensors or {}
         dtype = getattr(torch, self.dtype)
-        return [t for slot in self.slots for t in slot.inputs(None if tensors is None else tensors.get(slot.target), scale, dtype)]
+        groups = self.columns()
+        inputs = []
+        for index, slot in enumerate(self.slots):
+            columns = groups[index if slot.group is None else slot.group]
+            width = group_rank(columns)
+            if slot.group in (None, index):
+                slot_a = torch.zeros(slot.in_features, width, dtype=dtype)
+                for target, (first, _) in columns.items():
+                    if target in tensors:
+                        lora_A = tensors[target].lora_A
+                        slot_a[:, first : first + lora_A.shape[0]] = lora_A.T
+                inputs.append(slot_a)
+            slot_b = torch.zeros(width, slot.out_features, dtype=dtype)
+            if slot.target in tensors:
+                lora_A, lora_B, factor = tensors[slot.target]
+                lora_B = lora_B if slot.rows is None else lora_B[slot.rows[0] : slot.rows[1]]
+                first = columns[slot.target][0]
+                slot_b[first : first + lora_A.shape[0]] = lora_B.T * (factor * scale)
+            inputs.append(slot_b)
+        return inputs
 
     def check(self, tensors: dict[str, LoRATensors]) -> None:
         """Every target of the adapter has slots here, whose shapes take its tensors at a rank they can hold."""
@@ -118,6 +150,11 @@ class AdapterTable:
         return cls.from_json(value.numpy().tobytes().decode())
 
 
+def group_rank(columns: dict[str, tuple[int, int]]) -> int:
+    """The columns of a group's `slot_a` (`AdapterTable.columns`): its targets' ranks summed."""
+    return sum(rank for _, rank in columns.values())
+
+
 def adapter_file(program: str | Path, name: str) -> Path:
     """Where `export` writes adapter `name` of the program at `program`: `<dir>/<stem>.<name>.ptd`."""
     program = Path(program)
@@ -136,8 +173,39 @@ def lora_layers(model: nn.Module) -> list[tuple[str, LoRALinear]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
 
 
-def adapter_table(module: nn.Module, dtype: torch.dtype | None = None) -> AdapterTable:
-    """The slots `module`'s `LoRALinear` layers need, each of its largest loaded rank."""
+def shared_inputs(module: nn.Module, run: Callable[[], object]) -> list[int | None]:
+    """Per `LoRALinear` of `module` (`lora_layers` order), the index of the first of the layers that were given
+    the same input tensor as it in every call of `run()` (None: it shares with none, or not every time)."""
+    layers = [layer for _, layer in lora_layers(module)]
+    inputs: list[list[torch.Tensor]] = [[] for _ in layers]  # kept alive, so their ids stay unique
+    hooks = [
+        layer.register_forward_pre_hook(lambda _, args, seen=seen: seen.append(args[0]))
+        for layer, seen in zip(layers, inputs)
+    ]
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    readers: dict[int, set[int]] = {}
+    for index, seen in enumerate(inputs):
+        for x in seen:
+            readers.setdefault(id(x), set()).add(index)
+    partners = [{frozenset(readers[id(x)]) for x in seen} for seen in inputs]
+    groups: list[int | None] = []
+    for mine in partners:
+        group = next(iter(mine)) if len(mine) == 1 else frozenset()
+        agreed = len(group) > 1 and all(partners[other] == mine for other in group)
+        groups.append(min(group) if agreed else None)
+    return groups
+
+
+def adapter_table(
+    module: nn.Module, dtype: torch.dtype | None = None, groups: list[int | None] | None = None
+) -> AdapterTable:
+    """The slots `module`'s `LoRALinear` layers need, each of its largest loaded rank, in the groups that
+    `shared_inputs` found (None: every slot alone)."""
     layers = lora_layers(module)
     merged = [(name, layer.merged) for name, layer in layers if layer.merged is not None]
     if merged:
@@ -145,20 +213,27 @@ def adapter_table(module: nn.Module, dtype: torch.dtype | None = None) -> Adapte
             f"{merged[0][0]} has adapter {merged[0][1]!r} merged into its base; unmerge() to export adapters switched at "
             "run time, or etblocks.adapters.merge_adapter(model, name) to export one adapter baked into the weights"
         )
+    groups = groups or [None] * len(layers)
     slots = tuple(
-        AdapterSlot(layer.target or name, layer.rows, layer.in_features, layer.out_features, layer.max_rank) for name, layer in layers
+        AdapterSlot(layer.target or name, layer.rows, layer.in_features, layer.out_features, layer.max_rank, group)
+        for (name, layer), group in zip(layers, groups)
     )
     dtype = dtype or (layers[0][1].base.weight.dtype if layers else torch.float32)
     return AdapterTable(slots, str(dtype).removeprefix("torch."))
 
 
 @contextmanager
-def adapter_slots(module: nn.Module) -> Iterator[AdapterTable]:
-    """Give every `LoRALinear` of `module` a zeroed slot buffer of its largest rank while the block runs (export)."""
-    table = adapter_table(module)
+def adapter_slots(module: nn.Module, run: Callable[[], object] | None = None) -> Iterator[AdapterTable]:
+    """Give every `LoRALinear` of `module` zeroed slot buffers of its largest rank while the block runs (export);
+    layers that share their input in `run()` (a call of `module`) share one `slot_a`."""
+    table = adapter_table(module, groups=None if run is None else shared_inputs(module, run))
     layers = [layer for _, layer in lora_layers(module)]
-    for layer, slot in zip(layers, table.slots):
-        layer.add_slot(slot.rank)
+    columns = table.columns()
+    owners = {group: SharedInput(layers[group]) for group in {slot.group for slot in table.slots} - {None}}
+    for index, (layer, slot) in enumerate(zip(layers, table.slots)):
+        group = index if slot.group is None else slot.group
+        layer.add_slot(group_rank(columns[group]), owns_a=group == index)
+        layer.shared_input = owners.get(slot.group)
     try:
         yield table
     finally:
@@ -166,35 +241,51 @@ def adapter_slots(module: nn.Module) -> Iterator[AdapterTable]:
             layer.remove_slot()
 
 
-class SlotInputs(nn.Module):
-    """A static program with the LoRA slots as its last inputs, `(slot_a, slot_b)` per `LoRALinear` in table
-    order: NPUs hold no state between calls, so the runner passes the active adapter's slots with every call."""
+def slot_buffers(module: nn.Module, table: AdapterTable) -> list[torch.Tensor]:
+    """The slot buffers of `module`'s `LoRALinear` layers in `table`'s input order."""
+    return [
+        getattr(layer, part)
+        for index, ((_, layer), slot) in enumerate(zip(lora_layers(module), table.slots))
+        for part in (SLOT_BUFFERS if slot.group in (None, index) else SLOT_BUFFERS[1:])
+    ]
 
-    def __init__(self, program: nn.Module, n_inputs: int) -> None:
+
+class SlotInputs(nn.Module):
+    """A static program with the LoRA slots as its last inputs, in `table`'s input order: NPUs hold no state
+    between calls, so the runner passes the active adapter's slots with every call."""
+
+    def __init__(self, program: nn.Module, n_inputs: int, table: AdapterTable) -> None:
         super().__init__()
         self.program = program
         self.n_inputs = n_inputs
+        self.table = table
         self._layers = [layer for _, layer in lora_layers(program)]  # registered under `program`
 
     def forward(self, *inputs: torch.Tensor):
-        fixed, slots = inputs[: self.n_inputs], inputs[self.n_inputs :]
-        for i, layer in enumerate(self._layers):
-            layer.slot_inputs = (slots[2 * i], slots[2 * i + 1])
+        fixed, slots = inputs[: self.n_inputs], iter(inputs[self.n_inputs :])
+        slot_a: dict[int, torch.Tensor] = {}
+        shared: dict[int, SharedInput] = {}
+        for index, (layer, slot) in enumerate(zip(self._layers, self.table.slots)):
+            group = index if slot.group is None else slot.group
+            if group == index:
+                slot_a[group] = next(slots)
+            layer.slot_inputs = (slot_a[group], next(slots))
+            if slot.group is not None and group not in shared:
+                shared[group] = SharedInput()
+            layer.shared_input = shared.get(slot.group)
         try:
             return self.program(*fixed)
         finally:
             for layer in self._layers:
-                layer.slot_inputs = None
+                layer.slot_inputs = layer.shared_input = None
 
 
 def set_adapter_program(module: nn.Module, table: AdapterTable, export) -> torch.export.ExportedProgram:
     """`set_adapter(*slot tensors)` exported from `module` itself, so its buffers have `forward`'s names (that is
     what makes the two methods share them). `export(module, example_inputs)` is the driver's exporter."""
-    layers = [layer for _, layer in lora_layers(module)]
 
     def set_slots(self, *tensors):
-        buffers = [getattr(layer, part) for layer in layers for part in SLOT_BUFFERS]  # read while tracing
-        for buffer, tensor in zip(buffers, tensors):
+        for buffer, tensor in zip(slot_buffers(module, table), tensors):  # read while tracing
             buffer.copy_(tensor)
         # workaround(executorch 1.5.1): return nothing; returning an input turns the copies into aliases its
         # emitter drops.

@@ -11,8 +11,9 @@ A static program has fixed shapes. With caller-owned state ("io") its methods ta
   `k_cache`, `v_cache` (six tensors in int8); MLA keeps its latent as k and the shared roped key as v.
 With in-place state (hybrid partition) the methods take `(tokens int64 [1, T], input_pos int64 [1])` and return
 the last token's logits `[1, V]`, like the dynamic contract at fixed T.
-A program exported with LoRA adapters takes, after those, the slots of the active adapter: `slot_a [in, r]` and
-`slot_b [r, out]` per entry of `adapters` (see `etblocks.export.adapters`; zeros: the base model).
+A program exported with LoRA adapters takes, after those, the slots of the active adapter: `slot_a [in, R]` per
+group of layers sharing an input and `slot_b [R, out]` per entry of `adapters`, in `AdapterTable.input_names`
+order (see `etblocks.export.adapters`; zeros: the base model).
 
 The contract travels as JSON in the program's `etblocks_contract` method, so a runner never guesses.
 """
@@ -106,7 +107,7 @@ class StaticContract:
         return [s.shape for s in self.states]
 
     def inputs(self) -> list[str]:
-        slots = [f"slot_{ab}.{i}" for i in range(len(self.adapters)) for ab in ("a", "b")]
+        slots = self.adapter_table.input_names()
         if self.cache == "inplace":
             return ["tokens", "input_pos", *slots]
         state = [f"{s.name}.{s.state}" for s in self.states]

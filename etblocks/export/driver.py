@@ -398,7 +398,8 @@ def _export_dynamic(model: nn.Module, plan: ExportPlan, max_seq_len: int | None,
     verify = verify_program(model, plan.max_draft) if plan.max_draft is not None else None
     wrap = wrap or (lambda module: module)
     with _weights_quantized(model, program.module, program.example_inputs(), plan), \
-            (adapter_slots(program.module) if slotted else nullcontext()) as table:
+            (adapter_slots(program.module, lambda: program.module(*program.example_inputs())) if slotted
+             else nullcontext()) as table:
         exported = {"forward": _torch_export(wrap(program.module), program.example_inputs(), program.dynamic_shapes())}
         if slotted:
             plan.say(f"with LoRA slots in {len(table.slots)} layers and a {SET_ADAPTER_METHOD} method")

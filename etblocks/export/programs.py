@@ -9,11 +9,11 @@ from torch import nn
 
 from etblocks.backends import backends
 from etblocks.errors import ConfigError
-from etblocks.export.adapters import SlotInputs, adapter_table, lora_layers
+from etblocks.export.adapters import SlotInputs, adapter_table, lora_layers, shared_inputs
 from etblocks.export.contract import CONTRACT_METHOD, MaskGroup, StateInput, StaticContract
 from etblocks.export.wrappers import DecoderProgram, StateInputsProgram, VerifyProgram
 from etblocks.moe import GatherExperts
-from etblocks.state.base import State, find_states
+from etblocks.state.base import State, find_states, reset_states
 from etblocks.state.ring import RingKVCache
 from etblocks.state.spec import RING, ROWS
 from etblocks.swap.api import model_kind, set_max_seq_len
@@ -180,9 +180,12 @@ def static_program(
             model, info.kind, [m for _, m in states], [None if g is None else names.index(g) for g in mask_of_state]
         )
     if lora_layers(model):
-        n_inputs = len(contract.inputs())
-        contract = replace(contract, adapters=adapter_table(model, info.recipe.dtype).slots)
-        module = SlotInputs(module, n_inputs)
+        module = SlotInputs(module, len(contract.inputs()), adapter_table(model, info.recipe.dtype))
+        alone = StaticProgram(module, replace(contract, adapters=module.table.slots), {})
+        groups = shared_inputs(model, lambda: module(*alone.example_inputs("decode")))
+        reset_states(model)
+        module.table = adapter_table(model, info.recipe.dtype, groups)
+        contract = replace(contract, adapters=module.table.slots)
     _override_tokens(tokens, bos_id, eos_ids)
     metadata = _llm_runner_metadata(max_seq_len, tokens, dynamic=False)
     metadata[CONTRACT_METHOD] = contract.as_constant()

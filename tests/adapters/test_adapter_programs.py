@@ -10,11 +10,21 @@ about its tensors; adapter files that do not fit the program are refused and cha
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
 from hf_models import hf_greedy, prompt_ids, tiny_model
-from peft_refs import ADAPTERS, make_adapter, make_adapters, peft_reference, peft_with, swapped_with
+from peft_refs import (
+    ADAPTERS,
+    SHARED_INPUT_GROUPS,
+    first_layer_groups,
+    make_adapter,
+    make_adapters,
+    peft_reference,
+    peft_with,
+    swapped_with,
+)
 from safetensors.torch import load_file
 
 import etblocks
@@ -23,7 +33,9 @@ from etblocks.adapters.files import adapter_tensors, save_adapter_file
 from etblocks.adapters.peft import read_peft_adapter
 from etblocks.backends import _REGISTRY, Backend, get_backend, register_backend
 from etblocks.errors import AdapterMismatchError, ConfigError, ProgramFileError
-from etblocks.export.adapters import adapter_slots, lora_layers
+from etblocks.adapters.lora import LoRATensors
+from etblocks.export.adapters import AdapterTable, adapter_slots, lora_layers, slot_buffers
+from etblocks.export.programs import dynamic_program
 
 ATOL = 1e-4  # the exported program vs eager PEFT
 CONTEXT = 64
@@ -39,7 +51,8 @@ def assert_switches_match_peft(runner: etblocks.Runner, reference, prompt: torch
 
 
 def test_slots_compute_what_the_named_adapters_compute(tmp_path):
-    """Eager: the slot form filled with an adapter's `set_adapter` inputs equals the adapter itself; zero slots
+    """Eager: the slot form filled with an adapter's `set_adapter` inputs equals the adapter itself, with each
+    layer's own slot_a and with one slot_a per group of layers reading one input (q/k/v, gate/up); zero slots
     equal the base."""
     base = tiny_model("llama")
     make_adapter(base, tmp_path / "B", 1, **ADAPTERS["B"])
@@ -47,18 +60,20 @@ def test_slots_compute_what_the_named_adapters_compute(tmp_path):
     tokens = prompt_ids(10)
     with torch.no_grad():
         expected = model(tokens).logits
-        with adapter_slots(model) as table:
-            for slot_buffer, value in zip(slot_buffers(model), table.inputs(adapter_tensors(model, "B"))):
-                slot_buffer.copy_(value)
-            assert (model(tokens).logits - expected).abs().max().item() <= ATOL
-            for slot_buffer in slot_buffers(model):
-                slot_buffer.zero_()
-            assert (model(tokens).logits - base(tokens).logits).abs().max().item() <= ATOL
+        for run in (None, lambda: model(tokens)):
+            with adapter_slots(model, run) as table:
+                buffers = slot_buffers(model, table)
+                for slot_buffer, value in zip(buffers, table.inputs(adapter_tensors(model, "B")), strict=True):
+                    slot_buffer.copy_(value)
+                assert (model(tokens).logits - expected).abs().max().item() <= ATOL
+                for slot_buffer in buffers:
+                    slot_buffer.zero_()
+                assert (model(tokens).logits - base(tokens).logits).abs().max().item() <= ATOL
+            kinds = [slot.target.rsplit(".", 1)[1] for slot in table.slots[:7]]
+            groups = [slot.group for slot in table.slots[:7]]
+            assert kinds == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+            assert groups == ([None] * 7 if run is None else [0, 0, 0, None, 4, 4, None])
     assert not any(layer.has_slot for _, layer in lora_layers(model))
-
-
-def slot_buffers(model):
-    return [getattr(layer, part) for _, layer in lora_layers(model) for part in ("slot_a", "slot_b")]
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -97,6 +112,35 @@ def test_switching_adapters_matches_peft(exported):
     assert seen[None] == base_tokens
     assert len({tuple(tokens) for tokens in seen.values()}) == 3, "each adapter must change the output"
     assert runner.program is program  # switched in place, never reloaded
+    assert first_layer_groups(runner.adapter_table) == SHARED_INPUT_GROUPS
+
+
+def test_layers_reading_one_input_share_one_projection(tmp_path):
+    """The traced program computes `x @ A^T` once per group of layers reading one input: one batched matmul
+    for q/k/v, one for gate/up, one each for o and down, and one B-side matmul per layer."""
+    base = tiny_model("llama")
+    make_adapter(base, tmp_path / "B", 1, **ADAPTERS["B"])
+    program = dynamic_program(swapped_with(base, {"B": tmp_path / "B"}), None)
+    layers = base.config.num_hidden_layers
+    for run, a_side in ((None, 7), (lambda: program.module(*program.example_inputs()), 4)):
+        with adapter_slots(program.module, run):
+            ep = torch.export.export(program.module, program.example_inputs(), dynamic_shapes=program.dynamic_shapes())
+        matmuls = sum(node.target == torch.ops.aten.bmm.default for node in ep.graph.nodes)
+        assert matmuls == layers * (a_side + 7)
+
+
+def test_a_table_without_groups_keeps_the_layout_of_earlier_programs():
+    """Programs exported before groups record slots without `group`: each keeps its own `slot_a [in, r]` before
+    its `slot_b [r, out]`, so they run as they did."""
+    old = {"slots": [dict(target="m.q_proj", rows=None, in_features=8, out_features=4, rank=2),
+                     dict(target="m.k_proj", rows=[0, 2], in_features=8, out_features=2, rank=3)], "dtype": "float32"}
+    table = AdapterTable.from_json(json.dumps(old))
+    assert table.input_names() == ["slot_a.0", "slot_b.0", "slot_a.1", "slot_b.1"]
+    lora_A, lora_B = torch.randn(2, 8), torch.randn(4, 2)
+    inputs = table.inputs({"m.q_proj": LoRATensors(lora_A, lora_B, 0.5)})
+    assert [list(t.shape) for t in inputs] == [[8, 2], [2, 4], [8, 3], [3, 2]]
+    assert torch.equal(inputs[0], lora_A.T) and torch.equal(inputs[1], lora_B.T * 0.5)
+    assert not any(t.any() for t in inputs[2:])
 
 
 @pytest.mark.slow

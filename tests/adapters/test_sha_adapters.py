@@ -16,7 +16,15 @@ import pytest
 import torch
 from attention_refs import causal_mask
 from hf_models import FEW_HEADS, hf_greedy, prompt_ids, snapshot_of, tiny_model
-from peft_refs import make_adapter, make_adapters, peft_reference, peft_with, swapped_with
+from peft_refs import (
+    SHARED_INPUT_GROUPS,
+    first_layer_groups,
+    make_adapter,
+    make_adapters,
+    peft_reference,
+    peft_with,
+    swapped_with,
+)
 
 import etblocks
 from etblocks.adapters.files import adapter_tensors, save_adapter_file
@@ -165,6 +173,7 @@ def test_exported_program_with_adapters_matches_peft_generate(family, tmp_path):
     reference = peft_reference(base, dirs)
     result = etblocks.export(swapped_with(base, dirs, "qnn", max_seq_len=CONTEXT, chunk=CHUNK), backend="xnnpack", out=tmp_path / "sha_lora.pte")
     runner = etblocks.Runner(result.path, adapters=result.adapters)
+    assert first_layer_groups(runner.adapter_table) == SHARED_INPUT_GROUPS  # every head view of q, k and v: one x @ A^T
     prompt = prompt_ids(13)
     for adapter in ("A", "B", None):
         runner.set_adapter(adapter)
