@@ -4,10 +4,13 @@ Part 1: KV-cache bytes per token and layer at DeepSeek-V3's attention dimensions
 etblocks' latent cache against a full per-head K/V cache. Part 2: decode ms per token at each `--contexts` length on
 a small DeepSeek-V3-shaped model (random weights, fp32): (a) etblocks absorbed (W_UK folded into the query), (b)
 etblocks expanded (kv_b_proj re-expands the cached latents every step), both exported to XNNPACK with a cache of
-exactly the context plus the timed steps, and (c) transformers eager. Every row's greedy tokens (prefill, then
-`--steps` steps) must equal transformers' `generate()` before the row is timed: rows (a) and (b) set `absorb` on the
-swapped blocks after the swap's probe, so their programs are checked here, and a row that disagrees is not timed and
-the script exits 1. Rows are timed in `--rounds` interleaved rounds; cells are medians [min-max] of the rounds.
+exactly the context plus the timed steps, (c) transformers eager, and (d) row (a) exported without
+`fold_weight_views`, so its program slices and transposes kv_b_proj.weight into W_UK and W_UV^T on every step
+(etblocks' absorbed program before that pass): (d)'s ratio is the pass's speed-up, measured in the same rounds.
+The .pte sizes of the exported rows go in the results too. Every row's greedy tokens (prefill, then `--steps`
+steps) must equal transformers' `generate()` before the row is timed: rows (a), (b) and (d) set `absorb` on the
+swapped blocks after the swap's probe, so their programs are checked here, and a row that disagrees is not timed
+and the script exits 1. Rows are timed in `--rounds` interleaved rounds; cells are medians [min-max] of the rounds.
 Results: benchmarks/results/mla.json.
 
     python benchmarks/mla.py            # 4 layers, contexts 64, 256, 1024
@@ -17,6 +20,7 @@ Results: benchmarks/results/mla.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import statistics
 import sys
@@ -74,14 +78,29 @@ def small_model(layers: int, max_positions: int):
     return AutoModelForCausalLM.from_config(config).eval()
 
 
+@contextlib.contextmanager
+def weights_sliced_per_call():
+    """etblocks' export without `fold_weight_views` (row d): the program reads W_UK and W_UV^T as slices of
+    kv_b_proj.weight on every call."""
+    from etblocks.backends import passes
+
+    fold = passes.fold_weight_views
+    passes.fold_weight_views = lambda exported: 0
+    try:
+        yield
+    finally:
+        passes.fold_weight_views = fold
+
+
 class ExportedRow:
-    def __init__(self, model, absorb: bool, max_seq_len: int, out: Path) -> None:
+    def __init__(self, model, absorb: bool, max_seq_len: int, out: Path, fold: bool = True) -> None:
         etblocks.swap(model, backend="xnnpack", max_seq_len=max_seq_len)
         for block in model.modules():
             if isinstance(block, MLAttention):
                 block.absorb = absorb
         start = time.perf_counter()
-        self.result = etblocks.export(model, backend="xnnpack", out=out)
+        with contextlib.nullcontext() if fold else weights_sliced_per_call():
+            self.result = etblocks.export(model, backend="xnnpack", out=out)
         self.export_s = time.perf_counter() - start
         self.runner = etblocks.Runner(self.result.path)
 
@@ -156,20 +175,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     generator = torch.Generator().manual_seed(0)
     prompts = {c: torch.randint(3, vocab, (c,), generator=generator).tolist() for c in contexts}
     references = {c: reference_tokens(base, prompts[c], args.steps) for c in contexts}
-    paths = {"a": ("etblocks absorbed (xnnpack)", True), "b": ("etblocks expanded (xnnpack)", False)}
-    names = {key: name for key, (name, _) in paths.items()} | {"c": "transformers eager"}
+    paths = {"a": ("etblocks absorbed (xnnpack)", True, True), "b": ("etblocks expanded (xnnpack)", False, True),
+             "d": ("etblocks absorbed, weights sliced per call", True, False)}
+    names = {key: name for key, (name, _, _) in paths.items()} | {"c": "transformers eager"}
+    names = {key: names[key] for key in sorted(names)}
     checks = Checks()
     samples: dict[str, dict[int, list[float]]] = {key: {c: [] for c in contexts} for key in names}
     tokens: dict[str, dict[int, list[int]]] = {key: {} for key in names}
     with tempfile.TemporaryDirectory() as tmp:
         rows = {}
-        for key, (name, absorb) in paths.items():
+        for key, (name, absorb, fold) in paths.items():
             for c in contexts:
                 try:
                     rows[key, c] = ExportedRow(copy.deepcopy(base), absorb, c + args.steps + 1,
-                                               Path(tmp) / f"{absorb}_{c}.pte")
+                                               Path(tmp) / f"{key}_{c}.pte", fold)
                 except Exception as e:  # one broken row must not hide the others
                     checks.fail(f"({key}) {name}, context {c}: export failed: {type(e).__name__}: {e}")
+        pte_mb = {key: row.result.size_mb for key, row in rows.items()}
         rows.update({("c", c): EagerRow(base) for c in contexts})
         # The check, untimed, before any timing: a program made with `absorb` set after the swap's probe is timed
         # only once its greedy tokens equal transformers'.
@@ -198,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = aligned_table(["path", *(f"ctx {c}" for c in contexts), f"growth {first}->{last}"], lines)
     print(title)
     print(table)
-    records = [{"key": key, "name": names[key], "context": c, "tokens": tokens[key].get(c),
+    records = [{"key": key, "name": names[key], "context": c, "tokens": tokens[key].get(c), "pte_mb": pte_mb.get((key, c)),
                 "timings": {"decode_ms": spread_record(samples[key][c])}} for key in names for c in contexts]
     return finish("mla", args, checks, {"cache": "\n".join(cache_lines), "decode": f"{title}\n{table}"}, started,
                   cache_bytes_per_token={"latent": latent, "full": full}, reference_tokens=references,

@@ -56,9 +56,9 @@ class MLAttention(nn.Module):
 
     The query comes from `q_proj`, or from the low-rank `q_a_proj -> q_a_norm -> q_b_proj`. Upstream modules are
     held as given (shared weights, upstream state-dict names). W_UK and W_UV are views of `kv_b_proj.weight` taken
-    at call time, not buffers: they follow weight loads and dtype moves, and to_edge rejects non-contiguous
-    non-persistent buffers. An exported program slices the weight on every call unless `constant_prop_pass`
-    folds the views before lowering.
+    at call time, not buffers: they follow weight loads and dtype moves and add nothing to the state dict.
+    `etblocks.export` stores them as contiguous constants in place of the weight (`fold_weight_views` in
+    `etblocks.backends.passes`), so a program does not slice and transpose the weight on every call.
 
     `position_embeddings=(cos, sin)`, `[T, R]` or `[1, T, R]` in HF's `cat(freqs, freqs)` layout (attention scaling
     folded in), override the block's own `rope`. `rope_interleave` rotates DeepSeek's interleaved pairs

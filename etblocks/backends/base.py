@@ -106,7 +106,11 @@ class Backend:
         return []
 
     def apply_passes(self, exported) -> None:
-        """Rewrite an exported program in place with `graph_passes`, as `etblocks.export` does before lowering."""
+        """Rewrite an exported program in place, as `etblocks.export` does before lowering: `fold_weight_views`
+        (every backend: weights the graph would re-lay out per call are stored laid out), then `graph_passes`."""
+        from etblocks.backends.passes import fold_weight_views
+
+        fold_weight_views(exported)
         for rewrite in self.graph_passes():
             rewrite(exported)
 

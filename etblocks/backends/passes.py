@@ -1,5 +1,6 @@
 """Graph rewrites of an exported program before lowering; each backend picks its own (`Backend.graph_passes`).
-Core ML, OpenVINO and QNN take rms_norm as it decomposes (QNN has its own RmsNorm op): they use none."""
+Core ML, OpenVINO and QNN take rms_norm as it decomposes (QNN has its own RmsNorm op): they use none of those.
+Every backend gets `fold_weight_views` (`Backend.apply_passes`)."""
 
 from __future__ import annotations
 
@@ -70,10 +71,61 @@ def _constant(exported: torch.export.ExportedProgram, name: str, data: torch.Ten
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     with graph.inserting_before(placeholders[first_user_input]):
         node = graph.placeholder(name)
-    node.meta["val"] = like.meta["val"].fake_mode.from_tensor(data)
+    node.meta["val"] = like.meta["val"].fake_mode.from_tensor(data, static_shapes=True)  # else sizes come out symbolic
     exported.constants[node.name] = data
     specs.insert(first_user_input, InputSpec(InputKind.CONSTANT_TENSOR, TensorArgument(node.name), node.name))
     return node
+
+
+# Ops that only lay out their one tensor input again: over a weight they give the same tensor on every call.
+_LAYOUT_OPS = {
+    torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.slice.Tensor, torch.ops.aten.select.int, torch.ops.aten.permute.default,
+    torch.ops.aten.transpose.int, torch.ops.aten.t.default, torch.ops.aten.unsqueeze.default,
+    torch.ops.aten.squeeze.dim, torch.ops.aten.clone.default, torch.ops.aten.alias.default,
+}
+
+
+def fold_weight_views(exported: torch.export.ExportedProgram) -> int:
+    """Replace the views, slices and transposes a block takes of a weight at call time (MLA's absorbed W_UK and
+    W_UV^T, read from `kv_b_proj.weight`) by contiguous constants holding their results, and drop the weight.
+
+    Kept as views in the block so they follow weight loads and dtype moves, they would be sliced and transposed
+    (copied) on every call of the program. A weight is folded only when it is read through such ops alone and
+    the results hold no more elements than it, so the program grows by nothing. Only parameters and constants
+    are folded (buffers may be written, LoRA slots by another method), and only layout ops: a dequantize of an
+    int weight stays as it is. Returns the number of weights folded.
+    """
+    from executorch.backends.transforms.utils import delete_constant_placeholder
+    from torch.fx.node import map_arg
+
+    graph = exported.graph_module.graph
+    signature = exported.graph_signature
+    weights = {**signature.inputs_to_parameters, **signature.inputs_to_lifted_tensor_constants}
+    tensors = {**exported.state_dict, **exported.constants}
+    folded = 0
+    for root in [n for n in graph.nodes if n.op == "placeholder" and n.name in weights]:
+        values, chain, frontier = {root: tensors[weights[root.name]].detach()}, [], [root]
+        while frontier:
+            for user in frontier.pop().users:
+                if user.target in _LAYOUT_OPS and all(arg in values for arg in user.all_input_nodes):
+                    values[user] = user.target(*map_arg(user.args, values.get), **map_arg(user.kwargs, values.get))
+                    chain.append(user)
+                    frontier.append(user)
+        ends = [node for node in chain if any(user not in values for user in node.users)]
+        read_directly = any(user not in values for user in root.users)
+        if not chain or read_directly or sum(values[n].numel() for n in ends) > values[root].numel():
+            continue
+        for end in ends:
+            data = values[end].clone(memory_format=torch.contiguous_format)
+            constant = _constant(exported, f"_etblocks_folded_{end.name}", data, like=end)
+            end.replace_all_uses_with(constant, delete_user_cb=lambda user: user not in values)
+        for node in reversed(chain):
+            graph.erase_node(node)
+        delete_constant_placeholder(exported, root)
+        folded += 1
+    exported.graph_module.recompile()
+    return folded
 
 
 def _scalar_constant(exported: torch.export.ExportedProgram, arg) -> float | None:

@@ -283,6 +283,46 @@ def test_exports_with_dynamic_length_lowers_to_xnnpack_and_runs_like_eager(custo
             torch.testing.assert_close(got, eager(x, torch.tensor([start])), rtol=0, atol=ATOL)
 
 
+@pytest.mark.parametrize("backend", ["xnnpack", "portable"])
+def test_program_holds_absorbed_weights_as_contiguous_constants(backend):
+    """After the passes `etblocks.export` runs before lowering, the program holds W_UK `[H, nope, r]` and W_UV^T
+    `[H, r, v]` as contiguous constants in place of kv_b_proj.weight, so no call slices or transposes a weight;
+    lowered, it runs like eager. The block itself keeps reading views of the weight."""
+    from executorch.exir import to_edge_transform_and_lower
+    from executorch.runtime import Runtime
+
+    from etblocks.backends import get_backend
+
+    hf, rotary = make_mla(FAMILIES[0], seed=12)
+    block = mla_from_hf(FAMILIES[0], hf, rotary, kv_cache=StaticKVCache(1, 8, 1, RANK, v_head_dim=ROPE))
+    module, eager = Wrapper(block).eval(), copy.deepcopy(Wrapper(block)).eval()
+    seq = torch.export.Dim("T", min=1, max=8)
+    with torch.no_grad():
+        ep = torch.export.export(module, (torch.randn(1, 4, 64), torch.tensor([0])), dynamic_shapes=({1: seq}, None), strict=False)
+    get_backend(backend).apply_passes(ep)
+    assert not [name for name in ep.state_dict if "kv_b_proj" in name]
+    constants = {tuple(c.shape): c for c in ep.constants.values()}
+    for expected in (block.w_uk, block.w_uv_t):
+        assert constants[tuple(expected.shape)].is_contiguous()
+        torch.testing.assert_close(constants[tuple(expected.shape)], expected.detach(), rtol=0, atol=0)
+    assert block.w_uk.data_ptr() == hf.kv_b_proj.weight.data_ptr()
+    signature = ep.graph_signature
+    weights = {**signature.inputs_to_parameters, **signature.inputs_to_lifted_tensor_constants}
+    aten = torch.ops.aten
+    relayout = {aten.view.default, aten.reshape.default, aten.slice.Tensor, aten.transpose.int, aten.permute.default}
+    relaid = [(n.name, str(u.target)) for n in ep.graph.nodes if n.name in weights for u in n.users if u.target in relayout]
+    assert not relaid, relaid
+    partitioners = get_backend(backend).partitioners({})
+    buffer = to_edge_transform_and_lower(ep, partitioner=partitioners).to_executorch().buffer
+    program = Runtime.get().load_program(buffer)  # kept alive while the Method runs
+    method = program.load_method("forward")
+    g = torch.Generator().manual_seed(13)
+    with torch.no_grad():
+        for start, length in [(0, 3), (3, 1), (4, 4)]:
+            x = torch.randn(1, length, 64, generator=g)
+            torch.testing.assert_close(method.execute([x, torch.tensor([start])])[0], eager(x, torch.tensor([start])), rtol=0, atol=ATOL)
+
+
 def test_constructor_rejects_bad_configurations():
     def build(**overrides):
         args = dict(

@@ -137,6 +137,54 @@ def test_dedupe_views_merges_repeated_views_only():
 
 
 
+class WeightViews(torch.nn.Module):
+    """Reads `split` only through views, slices and a transpose (as MLA reads kv_b_proj.weight), `shared` through
+    a transpose and directly, and the buffer `table` through a transpose."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.split = torch.nn.Parameter(torch.randn(2 * 6, 4))  # two heads of 3 + 3 rows
+        self.shared = torch.nn.Parameter(torch.randn(4, 4))
+        self.register_buffer("table", torch.randn(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [2, T, 4]
+        heads = self.split.view(2, 6, 4)
+        y = torch.bmm(torch.bmm(x, heads[:, 3:].transpose(1, 2)), heads[:, :3])
+        return torch.nn.functional.linear(y, self.shared) + y @ self.shared.t() + y @ self.table.t()
+
+
+def test_fold_weight_views_stores_a_weight_read_through_views_laid_out():
+    """`split` becomes two contiguous constants (its 48 elements as 24 + 24) and leaves the program; `shared`
+    (also read directly: folding would store it twice) and the buffer (a program may write buffers) stay. The
+    program lowers (the constants' shapes static) and computes what the module does at any length."""
+    from executorch.exir import to_edge_transform_and_lower
+    from executorch.runtime import Runtime
+
+    from etblocks.backends.passes import fold_weight_views
+
+    module = WeightViews().eval()
+    exported = _exported(module, torch.randn(2, 5, 4))
+    assert fold_weight_views(exported) == 1
+    assert set(exported.state_dict) == {"shared", "table"}
+    heads = module.split.detach().view(2, 6, 4)
+    constants = {tuple(c.shape): c for c in exported.constants.values()}
+    for expected in (heads[:, 3:].transpose(1, 2), heads[:, :3]):
+        folded = constants[tuple(expected.shape)]
+        assert folded.is_contiguous()
+        torch.testing.assert_close(folded, expected, rtol=0, atol=0)
+    relayout = (torch.ops.aten.view.default, torch.ops.aten.slice.Tensor, torch.ops.aten.transpose.int)
+    placeholders = [n for n in exported.graph.nodes if n.op == "placeholder"]
+    assert sorted(str(u.target) for n in placeholders for u in n.users if u.target in relayout) == []
+    assert sorted(str(u.target) for n in placeholders for u in n.users if u.target == torch.ops.aten.t.default) == [
+        "aten.t.default", "aten.t.default"]  # shared's and the buffer's, kept
+    buffer = to_edge_transform_and_lower(exported).to_executorch().buffer
+    method = Runtime.get().load_program(buffer).load_method("forward")
+    for length in (1, 5, 9):
+        x = torch.randn(2, length, 4)
+        with torch.no_grad():
+            torch.testing.assert_close(method.execute([x])[0], module(x), rtol=1e-5, atol=1e-5)
+
+
 def test_mean_rewrite_on_a_graph_whose_first_input_is_a_torchao_weight():
     """The new constants' fake values come from the activation's fake mode: a graph whose first placeholder is a
     torchao-quantized weight (a tensor subclass without one) rewrites, lowers whole and keeps the values."""
