@@ -448,15 +448,21 @@ def llama_example_model(bench: Bench) -> torch.nn.Module:
 
 
 def export_llama_example(bench: Bench, row: Row, filename: str, quantize: str | None = None,
-                         group_size: int | None = None) -> Driver:
+                         group_size: int | None = None, quantize_kv_cache: bool = False) -> Driver:
     """`path_llama_example`'s export to `bench.out_dir / filename`; `quantize` (e.g. "8da4w") adds ExecuTorch's
-    weight quantization first, as export_llama_lib's `-qmode` / `--group_size` do (its `quantize()`, HQQ scales)."""
+    weight quantization first, as export_llama_lib's `-qmode` / `--group_size` do (its `quantize()`, HQQ scales);
+    `quantize_kv_cache` its int8 KV cache (`--quantize_kv_cache`: asymmetric int8 with a float32 scale and an int8
+    zero point per token and head, read by `llama::custom_quantized_sdpa`)."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.examples.models.llama.source_transformation.custom_kv_cache import (
         replace_kv_cache_with_custom_kv_cache,
+        replace_kv_cache_with_quantized_kv_cache,
     )
     from executorch.examples.models.llama.source_transformation.quantize import get_quant_weight_transform
-    from executorch.examples.models.llama.source_transformation.sdpa import replace_sdpa_with_custom_op
+    from executorch.examples.models.llama.source_transformation.sdpa import (
+        replace_sdpa_with_custom_op,
+        replace_sdpa_with_quantized_sdpa,
+    )
     from executorch.extension.llm.export.builder import DType, LLMEdgeManager
 
     s = bench.shape
@@ -480,9 +486,14 @@ def export_llama_example(bench: Bench, row: Row, filename: str, quantize: str | 
             "enable_dynamic_shape": True,
         },
     )
-    # Same order as export_llama_lib._get_source_transforms: weights, then SDPA, then the KV cache.
+    # Same order as export_llama_lib._get_source_transforms: weights, then SDPA, then the KV cache, then (with
+    # `quantize_kv_cache`) the int8 cache in place of the custom one and the quantized SDPA in place of the custom one
+    # (it replaces only a custom SDPA over an int8 cache).
     weights = [get_quant_weight_transform(quantize, group_size, DType.fp32)] if quantize else []
-    manager.source_transform([*weights, replace_sdpa_with_custom_op, replace_kv_cache_with_custom_kv_cache])
+    int8_cache = ([replace_kv_cache_with_quantized_kv_cache, replace_sdpa_with_quantized_sdpa]
+                  if quantize_kv_cache else [])
+    manager.source_transform([*weights, replace_sdpa_with_custom_op, replace_kv_cache_with_custom_kv_cache,
+                              *int8_cache])
     lower_llm_manager(manager, [XnnpackPartitioner()], path)
     row.export_s = time.perf_counter() - start
     del model, manager
