@@ -4,10 +4,10 @@ base model). Layers that read one input (q/k/v, gate/up, a single-head block's h
 their targets' A side by side, so a program computes `x @ A^T` once for them (`SharedInput`): the LoRA path of
 a layer costs two small matmuls with operands that arrive at run time, and most of that is per call.
 
-- Dynamic programs keep the slots as mutable buffers that a second method, `set_adapter(a_0, b_0, a_1, ...)`,
-  copies new values into. Both methods share them (`share_mutable_buffers`), so a switch is one call moving the
-  adapter's own bytes; the base is loaded and packed once. The slot table travels in the `etblocks_adapters`
-  constant method.
+- Dynamic programs keep the slots as mutable buffers that a second method, `set_adapter(*slots)` (in
+  `AdapterTable.input_names` order), copies new values into. Both methods share them (`share_mutable_buffers`),
+  so a switch is one call moving the adapter's own bytes; the base is loaded and packed once. The slot table
+  travels in the `etblocks_adapters` constant method.
 - Static programs take the slots as their last inputs (`SlotInputs`): NPUs hold no state between calls, so the
   runner passes the active adapter's slots with every `prefill` and `decode`. The table is in the contract.
 
