@@ -32,6 +32,7 @@ from torch import nn
 from etblocks.adapters.lora import LoRALinear, LoRATensors, SharedInput
 from etblocks.errors import AdapterMismatchError, ConfigError
 from etblocks.export.hybrid import keep_on_cpu
+from etblocks.state.base import reset_states
 
 ADAPTERS_METHOD = "etblocks_adapters"
 SET_ADAPTER_METHOD = "set_adapter"
@@ -66,12 +67,17 @@ class AdapterTable:
     slots: tuple[AdapterSlot, ...]
     dtype: str
 
+    def group_of(self, index: int) -> int:
+        """The group of slot `index`: the index of the first slot sharing its `slot_a` (its own if none does)."""
+        group = self.slots[index].group
+        return index if group is None else group
+
     def columns(self) -> dict[int, dict[str, tuple[int, int]]]:
         """Per group (the index of its first slot): `{target: (first column, rank)}` of its `slot_a`; the group's
         width is `group_rank` of it."""
         groups: dict[int, dict[str, tuple[int, int]]] = {}
         for index, slot in enumerate(self.slots):
-            columns = groups.setdefault(index if slot.group is None else slot.group, {})
+            columns = groups.setdefault(self.group_of(index), {})
             if slot.target not in columns:
                 columns[slot.target] = (group_rank(columns), slot.rank)
         return groups
@@ -79,8 +85,8 @@ class AdapterTable:
     def input_names(self) -> list[str]:
         """`slot_a.<i>` for each group's first slot `i`, `slot_b.<i>` for every slot, in input order."""
         return [
-            name for index, slot in enumerate(self.slots)
-            for name in ([f"slot_a.{index}"] if slot.group in (None, index) else []) + [f"slot_b.{index}"]
+            name for index in range(len(self.slots))
+            for name in ([f"slot_a.{index}"] if self.group_of(index) == index else []) + [f"slot_b.{index}"]
         ]
 
     def inputs(self, tensors: dict[str, LoRATensors] | None, scale: float = 1.0) -> list[torch.Tensor]:
@@ -93,9 +99,9 @@ class AdapterTable:
         groups = self.columns()
         inputs = []
         for index, slot in enumerate(self.slots):
-            columns = groups[index if slot.group is None else slot.group]
+            columns = groups[self.group_of(index)]
             width = group_rank(columns)
-            if slot.group in (None, index):
+            if self.group_of(index) == index:
                 slot_a = torch.zeros(slot.in_features, width, dtype=dtype)
                 for target, (first, _) in columns.items():
                     if target in tensors:
@@ -175,7 +181,8 @@ def lora_layers(model: nn.Module) -> list[tuple[str, LoRALinear]]:
 
 def shared_inputs(module: nn.Module, run: Callable[[], object]) -> list[int | None]:
     """Per `LoRALinear` of `module` (`lora_layers` order), the index of the first of the layers that were given
-    the same input tensor as it in every call of `run()` (None: it shares with none, or not every time)."""
+    the same input tensor as it in every call of `run()` (None: it shares with none, or not every time). The
+    states `run()` wrote are reset."""
     layers = [layer for _, layer in lora_layers(module)]
     inputs: list[list[torch.Tensor]] = [[] for _ in layers]  # kept alive, so their ids stay unique
     hooks = [
@@ -188,6 +195,7 @@ def shared_inputs(module: nn.Module, run: Callable[[], object]) -> list[int | No
     finally:
         for hook in hooks:
             hook.remove()
+        reset_states(module)
     readers: dict[int, set[int]] = {}
     for index, seen in enumerate(inputs):
         for x in seen:
@@ -231,7 +239,7 @@ def adapter_slots(module: nn.Module, run: Callable[[], object] | None = None) ->
     columns = table.columns()
     owners = {group: SharedInput(layers[group]) for group in {slot.group for slot in table.slots} - {None}}
     for index, (layer, slot) in enumerate(zip(layers, table.slots)):
-        group = index if slot.group is None else slot.group
+        group = table.group_of(index)
         layer.add_slot(group_rank(columns[group]), owns_a=group == index)
         layer.shared_input = owners.get(slot.group)
     try:
@@ -245,8 +253,8 @@ def slot_buffers(module: nn.Module, table: AdapterTable) -> list[torch.Tensor]:
     """The slot buffers of `module`'s `LoRALinear` layers in `table`'s input order."""
     return [
         getattr(layer, part)
-        for index, ((_, layer), slot) in enumerate(zip(lora_layers(module), table.slots))
-        for part in (SLOT_BUFFERS if slot.group in (None, index) else SLOT_BUFFERS[1:])
+        for index, (_, layer) in enumerate(lora_layers(module))
+        for part in (SLOT_BUFFERS if table.group_of(index) == index else SLOT_BUFFERS[1:])
     ]
 
 
@@ -266,7 +274,7 @@ class SlotInputs(nn.Module):
         slot_a: dict[int, torch.Tensor] = {}
         shared: dict[int, SharedInput] = {}
         for index, (layer, slot) in enumerate(zip(self._layers, self.table.slots)):
-            group = index if slot.group is None else slot.group
+            group = self.table.group_of(index)
             if group == index:
                 slot_a[group] = next(slots)
             layer.slot_inputs = (slot_a[group], next(slots))

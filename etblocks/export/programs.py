@@ -13,7 +13,7 @@ from etblocks.export.adapters import SlotInputs, adapter_table, lora_layers, sha
 from etblocks.export.contract import CONTRACT_METHOD, MaskGroup, StateInput, StaticContract
 from etblocks.export.wrappers import DecoderProgram, StateInputsProgram, VerifyProgram
 from etblocks.moe import GatherExperts
-from etblocks.state.base import State, find_states, reset_states
+from etblocks.state.base import State, find_states
 from etblocks.state.ring import RingKVCache
 from etblocks.state.spec import RING, ROWS
 from etblocks.swap.api import model_kind, set_max_seq_len
@@ -183,7 +183,6 @@ def static_program(
         module = SlotInputs(module, len(contract.inputs()), adapter_table(model, info.recipe.dtype))
         alone = StaticProgram(module, replace(contract, adapters=module.table.slots), {})
         groups = shared_inputs(model, lambda: module(*alone.example_inputs("decode")))
-        reset_states(model)
         module.table = adapter_table(model, info.recipe.dtype, groups)
         contract = replace(contract, adapters=module.table.slots)
     _override_tokens(tokens, bos_id, eos_ids)
