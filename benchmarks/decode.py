@@ -2,7 +2,8 @@
 
 Rows: (a) etblocks (swap + export), (b) transformers' static-cache export (token-by-token prefill), (c) ExecuTorch's
 llama example (custom SDPA and KV cache), (d) transformers' ExecutorchExporter (prefill.pte + decode.pte), (e) eager
-PyTorch (not run by default). Each row is exported, then timed in a fresh process in `--rounds` interleaved rounds
+PyTorch (not run by default), (f) llama.cpp on the same weights as an F32 GGUF with an F32 KV cache (`llamacpp`;
+needs the `bench` extra, else the row says so). Each row is exported, then timed in a fresh process in `--rounds` interleaved rounds
 (each round starting one row later) of one untimed prefill, one timed prefill of the prompt and `--decode-steps`
 greedy steps (`harness`): decode and prefill tok/s, export
 seconds, .pte MB, ratios to (a), decode as % of the memory roofline. Every row's greedy tokens must equal eager
@@ -55,6 +56,7 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     select_paths,
     spread_record,
 )
+from llamacpp import llama_cpp_path
 
 SMOKE = {"shape": "tiny", "layers": 1, "rows": "a,b", "rounds": 1, "decode_steps": 4, "prompt_len": 8, "max_seq_len": 32}
 
@@ -155,6 +157,7 @@ PATHS: list[PathSpec] = [
     PathSpec("c", "ExecuTorch llama example", path_llama_example),
     PathSpec("d", "transformers ExecutorchExporter", path_hf_exporter),
     PathSpec("e", "eager PyTorch (reference)", path_eager, default=False),
+    PathSpec("f", "llama.cpp F32", llama_cpp_path("F32")),
 ]
 
 
@@ -162,7 +165,7 @@ def format_targets(rows: list[Row], rooflines: list[float]) -> str:
     """PASS/FAIL/n/a for the project's targets on row (a), judged on the median of per-round ratios
     (`rooflines`: the roofline tok/s of each round)."""
     by_key = {r.key: r for r in rows if r.status == "ok"}
-    a, b, c = by_key.get("a"), by_key.get("b"), by_key.get("c")
+    a, b, c, f = by_key.get("a"), by_key.get("b"), by_key.get("c"), by_key.get("f")
 
     def check(label: str, value: float | None, goal: float, unit: str) -> str:
         if value is None:
@@ -176,6 +179,12 @@ def format_targets(rows: list[Row], rooflines: list[float]) -> str:
         check("(a) decode % roofline", 100 * roofline_share if roofline_share else None, 80, "%"),
         check("(a) prefill / (b) prefill", paired_median(a.prefill_runs, b.prefill_runs) if a and b else None, 20,
               "x"),
+        check("(a) prefill / (c) prefill", paired_median(a.prefill_runs, c.prefill_runs) if a and c else None, 1.1,
+              "x"),
+        check("(a) decode / (f) llama.cpp decode", paired_median(a.decode_runs, f.decode_runs) if a and f else None,
+              1.0, "x"),
+        check("(a) prefill / (f) llama.cpp prefill",
+              paired_median(a.prefill_runs, f.prefill_runs) if a and f else None, 1.0, "x"),
     ])
 
 

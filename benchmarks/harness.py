@@ -1104,7 +1104,7 @@ def check_rows(checks: Checks, rows: Sequence[Row], reference: Sequence[int] | M
 # --------------------------------------------------------------------------------------------------
 # Results files
 
-VERSION_PACKAGES = ("torch", "executorch", "torchao", "transformers", "etblocks")
+VERSION_PACKAGES = ("torch", "executorch", "torchao", "transformers", "etblocks", "llama_cpp_python")
 CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "amx_int8")
 
 

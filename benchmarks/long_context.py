@@ -10,8 +10,9 @@ Rows (`--rows`), on the SmolLM2-135M shape (30 layers, fp32 weights, random, bui
 row b); (c) ExecuTorch's llama example, custom SDPA + custom KV cache, fp32 (decode.py's row c,
 `harness.export_llama_example`); (d) (c) with its int8 KV cache, as export_llama_lib's `--quantize_kv_cache` makes it
 (`replace_kv_cache_with_quantized_kv_cache`, then `replace_sdpa_with_quantized_sdpa`: `llama::custom_quantized_sdpa`
-over the int8 rows; the same layout and bytes as (b)). llama.cpp, the issue's other comparison, is not installed here
-and is left out.
+over the int8 rows; the same layout and bytes as (b)); (e) llama.cpp on the same weights as an F32 GGUF with an f32 KV
+cache, (f) the same with a q8_0 KV cache (34 bytes per 32 values, within 2% of (b)'s bytes; flash attention, which
+llama.cpp needs for it) (`llamacpp`; they need the `bench` extra, else they say so).
 
 Method: each row is exported once, its caches sized to the largest context (`--max-seq-len`, default the largest of
 `--contexts`); etblocks' dynamic program and ExecuTorch's custom SDPA read only the filled positions, so one program
@@ -20,19 +21,19 @@ one seeded prompt (prefill fills most of the context; the decode steps end 8 sho
 each context is timed in a fresh process of its own (`harness.time_in_fresh_process`: programs loaded anew, MKL on one
 thread) in `--rounds` interleaved rounds, each starting one row later, of an untimed prefill, a timed prefill and
 `--decode-steps` timed greedy steps. Reported per context: decode and prefill tok/s (medians [min-max]), the ratios
-(b)/(a), (d)/(c) and (a)/(c) (medians of per-round ratios), and each cache's decode roofline: the read bandwidth
+(b)/(a), (d)/(c), (a)/(c), (a)/(e) and (f)/(e) (medians of per-round ratios), and each cache's decode roofline: the read bandwidth
 sampled every round over the bytes a decode step reads (`harness.bytes_per_token`: fp32 linears and lm_head, plus the
 cache's bytes per position, `harness.kv_bytes_per_position`, at the mean decode position).
 
 Target: (b) int8 KV / (a) fp32 KV decode >= 1.2x at the largest context (PASS/FAIL on the median of per-round ratios).
 
-Tokens, at every context: the fp32-cache rows (a) and (c) must equal eager transformers' `generate()` on the same
-weights, every token; the int8-cache rows (b) and (d) must agree with it on the first `--quantized-min-match` (default
+Tokens, at every context: the fp32-cache rows (a), (c) and (e) must equal eager transformers' `generate()` on the same
+weights, every token; the int8-cache rows (b), (d) and (f) must agree with it on the first `--quantized-min-match` (default
 1), the rule quant.py applies to its int8-KV row (b) (a quantized row agrees on the first `--quantized-min-match`
 greedy tokens: random weights give flat distributions that the cache's rounding tips), and their agreement is printed;
 otherwise the script exits 1. Results: benchmarks/results/long_context.json.
 
-    python benchmarks/long_context.py            # 30 layers, contexts 256, 2048, 8192 (caches of 8192), rows a-d
+    python benchmarks/long_context.py            # 30 layers, contexts 256, 2048, 8192 (caches of 8192), rows a-f
     python benchmarks/long_context.py --smoke    # tiny shape, 1 layer, contexts 16 and 32 (caches of 64), 1 round
 """
 
@@ -79,6 +80,7 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     time_in_fresh_process,
 )
 from hybrid import Deferred  # a loaded driver's constructor call, timed again in each context's fresh process
+from llamacpp import llama_cpp_path
 from quant import speed_path  # etblocks' swap + export with an `Option`'s cache and weights
 
 FP32_KV = Option("a", "fp32 KV")
@@ -108,9 +110,12 @@ PATHS = [
     PathSpec("b", "etblocks, int8 KV", speed_path(INT8_KV)),
     PathSpec("c", "ExecuTorch llama example, fp32 KV", example_path("c_llama_example.pte", False)),
     PathSpec("d", "ExecuTorch llama example, int8 KV", example_path("d_llama_example_int8_kv.pte", True)),
+    PathSpec("e", "llama.cpp F32, f32 KV", llama_cpp_path("F32", "f32")),
+    PathSpec("f", "llama.cpp F32, q8_0 KV", llama_cpp_path("F32", "q8_0")),
 ]
-CACHES = {"a": FP32_KV, "b": INT8_KV, "c": FP32_KV, "d": INT8_KV}  # each row's cache: its bytes, whether exact
-RATIOS = (("b", "a"), ("d", "c"), ("a", "c"))
+# each row's cache: its bytes, whether exact (llama.cpp's q8_0 cache counted at the int8 cache's bytes)
+CACHES = {"a": FP32_KV, "b": INT8_KV, "c": FP32_KV, "d": INT8_KV, "e": FP32_KV, "f": INT8_KV}
+RATIOS = (("b", "a"), ("d", "c"), ("a", "c"), ("a", "e"), ("f", "e"))
 
 # --------------------------------------------------------------------------------------------------
 # Prompts, references, timing

@@ -1,14 +1,17 @@
 """Quantization options side by side: decode speed on the SmolLM2-135M shape, accuracy on a small model trained here.
 
 Options (`--rows`): (a) fp32, (b) fp32 + int8 KV cache, (c) 8da8w, (d) 8da8w + int8 KV, (e) 8da4w (groups of 32),
-(f) 8da4w + int8 KV, (g) 8da4w + int8 embedding. Speed: each option swapped and exported from a random-weight
+(f) 8da4w + int8 KV, (g) 8da4w + int8 embedding; beside them llama.cpp on the same weights (`llamacpp`; speed only,
+needs the `bench` extra): (h) Q8_0 beside (c), (i) Q4_0 beside (e), both with an F32 KV cache as etblocks' rows. Speed: each option swapped and exported from a random-weight
 transformers Llama and timed as decode.py times (`harness`: fresh process, interleaved rounds, medians [min-max]),
 with each row's roofline from the bytes a decode step reads (`harness.bytes_per_token`: the linears as quantized,
 the lm_head, the KV cache at the mean decode position) and PASS/FAIL on 8da4w reaching 50% of it. Tokens: each row's
 greedy tokens against the transformers model's `generate()`, its weights quantized as the row quantizes them
 (`harness.quantized_reference`; an int8 KV cache is not in it): fp32 rows must agree on all, the others on the
 first `--quantized-min-match` (XNNPACK's dynamic int8 activations round differently from torchao's eager ones, and
-random weights give flat distributions); otherwise the script exits 1. Accuracy: a small Llama (`--trained-layers`)
+random weights give flat distributions); otherwise the script exits 1. llama.cpp's rows quantize in blocks of their
+own: (h) must share the first `--quantized-min-match` tokens of the fp32 model's, (i)'s agreement is reported
+without a requirement (its 4-bit numerics are its own). Accuracy: a small Llama (`--trained-layers`)
 trained for `--train-steps` on a synthetic corpus with learnable structure (words, bigram order, copied spans), each
 option's program compared with the fp32 program by `etblocks.export.next_token_agreement` (top-1 agreement, KL); row
 (a) compares the fp32 program with eager. Results: benchmarks/results/quant.json.
@@ -62,7 +65,9 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     run_paths,
     select_paths,
     spread_record,
+    weight_bytes_per_token,
 )
+from llamacpp import gguf_weight_bytes_per_token, llama_cpp_path
 
 import etblocks  # noqa: E402
 from etblocks.export.accuracy import AccuracyReport, EagerModel, next_token_agreement  # noqa: E402
@@ -112,7 +117,12 @@ def speed_path(option: Option) -> Callable[[Bench, Row], Driver]:
     return path
 
 
-SPEED_PATHS = [PathSpec(option.key, option.name, speed_path(option)) for option in OPTIONS]
+# llama.cpp rows: key -> (GGUF file type, the etblocks row compared with it, the decode and prefill ratio it must reach)
+LLAMA_CPP_ROWS = {"h": ("Q8_0", "c", 1.2), "i": ("Q4_0", "e", 1.3)}
+SPEED_PATHS = [PathSpec(option.key, option.name, speed_path(option)) for option in OPTIONS] + [
+    PathSpec(key, f"llama.cpp {file_type}", llama_cpp_path(file_type))
+    for key, (file_type, _, _) in LLAMA_CPP_ROWS.items()]
+PREFILL_GOAL = 1.2  # etblocks' prefill against llama.cpp's, each quantization
 
 
 def reference_tokens(bench: Bench, options: Sequence[Option]) -> dict[str, list[int]]:
@@ -130,16 +140,31 @@ def reference_tokens(bench: Bench, options: Sequence[Option]) -> dict[str, list[
     return {option.key: by_weights[(option.quantize, option.quantize_embedding)] for option in options}
 
 
-def format_target(rows: Sequence[Row], bandwidths: Sequence[float], row_bytes: Mapping[str, float]) -> str:
-    """PASS/FAIL of "8da4w decode >= 50% of its roofline" on the median of per-round ratios."""
-    row = next((r for r in rows if r.key == TARGET_KEY and r.status == "ok"), None)
-    label = f"({TARGET_KEY}) 8da4w decode % of its roofline"
-    share = paired_median(row.decode_runs, [b / row_bytes[TARGET_KEY] for b in bandwidths]) if row else None
-    if share is None:
-        return f"target (median of per-round ratios):\n  n/a   {label} (row ({TARGET_KEY}) has no figures)"
-    verdict = "PASS" if share >= TARGET_SHARE else "FAIL"
-    return (f"target (median of per-round ratios):\n  {verdict}  {label}: {100 * share:.0f}% "
-            f"(goal >= {100 * TARGET_SHARE:.0f}%)")
+def format_targets(rows: Sequence[Row], bandwidths: Sequence[float], row_bytes: Mapping[str, float]) -> str:
+    """PASS/FAIL on the median of per-round ratios: 8da4w decode >= 50% of its roofline, and each etblocks row
+    against its llama.cpp row (`LLAMA_CPP_ROWS`: decode at the row's ratio, prefill at `PREFILL_GOAL`)."""
+    by_key = {r.key: r for r in rows if r.status == "ok"}
+
+    def check(label: str, value: float | None, goal: float, unit: str = "x") -> str:
+        if value is None:
+            return f"  n/a   {label} (needs the rows it compares)"
+        shown = f"{100 * value:.0f}%" if unit == "%" else f"{value:.2f}x"
+        wanted = f"{100 * goal:.0f}%" if unit == "%" else f"{goal}x"
+        return f"  {'PASS' if value >= goal else 'FAIL'}  {label}: {shown} (goal >= {wanted})"
+
+    row = by_key.get(TARGET_KEY)
+    lines = ["targets (median of per-round ratios):", check(
+        f"({TARGET_KEY}) 8da4w decode % of its roofline",
+        paired_median(row.decode_runs, [b / row_bytes[TARGET_KEY] for b in bandwidths]) if row else None,
+        TARGET_SHARE, "%")]
+    for key, (file_type, ours, goal) in LLAMA_CPP_ROWS.items():
+        theirs, mine = by_key.get(key), by_key.get(ours)
+        both = theirs is not None and mine is not None
+        lines.append(check(f"({ours}) decode / ({key}) llama.cpp {file_type} decode",
+                           paired_median(mine.decode_runs, theirs.decode_runs) if both else None, goal))
+        lines.append(check(f"({ours}) prefill / ({key}) llama.cpp {file_type} prefill",
+                           paired_median(mine.prefill_runs, theirs.prefill_runs) if both else None, PREFILL_GOAL))
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -346,7 +371,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     args = parse_args(argv)
     specs = select_paths(args.rows, SPEED_PATHS)
-    options = [next(o for o in OPTIONS if o.key == spec.key) for spec in specs]
+    options = [o for spec in specs for o in OPTIONS if o.key == spec.key]
+    llama_cpp_keys = [spec.key for spec in specs if spec.key in LLAMA_CPP_ROWS]
     bench = make_bench(args)
 
     log(f"training the accuracy model ({args.train_steps} steps)")
@@ -358,8 +384,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     gc.collect()
 
     log("speed: eager reference tokens, then the exports")
-    reference = reference_tokens(bench, options)
+    reference = reference_tokens(bench, [*options, *([REFERENCE] if llama_cpp_keys else [])])
     row_bytes = {option.key: bytes_per_token(bench, option) for option in options}
+    for key in llama_cpp_keys:  # llama.cpp's rows: their weights as stored, the same F32 cache as fp32's
+        reference[key] = reference[REFERENCE.key]
+        row_bytes[key] = (bytes_per_token(bench, REFERENCE) - weight_bytes_per_token(bench.shape, None)
+                          + gguf_weight_bytes_per_token(bench.shape, LLAMA_CPP_ROWS[key][0]))
+    reference = {key: reference[key] for key in [spec.key for spec in specs]}
     rows, bandwidths = run_paths(specs, bench, keep_files=args.out_dir is not None, warm_prefill=True)
     for row in rows:
         row.extras[BYTES_READ] = f"{row_bytes[row.key] / 1e6:.1f}"
@@ -373,8 +404,10 @@ def main(argv: Sequence[str] | None = None) -> int:
              "quantized as the row's (torchao, etblocks' configs; no int8 KV cache); XNNPACK's dynamic int8 "
              "activations round differently from torchao's eager ones and random weights give flat distributions (the "
              "accuracy table below is on a trained model): a quantized row must agree on the first "
-             f"{args.quantized_min_match}, an fp32 row on all")
-    target = format_target(rows, bandwidths, row_bytes)
+             f"{args.quantized_min_match}, an fp32 row on all; llama.cpp's rows against the fp32 model's tokens, "
+             f"(h) Q8_0 on the first {args.quantized_min_match}, (i) Q4_0 reported only")
+    notes += "".join(f"\n  ({r.key}) {r.note}" for r in rows if r.note and r.status == "ok")
+    target = format_targets(rows, bandwidths, row_bytes)
     accuracy_title = (f"accuracy on the trained model, next-token distributions against fp32 over "
                       f"{args.accuracy_sequences} held-out sequences of {TRAINED_SHAPE.max_seq_len} tokens (prefill "
                       f"{args.accuracy_prefill}, then one token per call)\n{trained}")
@@ -388,6 +421,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     checks = Checks()
     required = {o.key: args.quantized_min_match for o in options if not o.exact}
+    required.update({key: args.quantized_min_match if file_type == "Q8_0" else 0
+                     for key, (file_type, _, _) in LLAMA_CPP_ROWS.items()})
     check_rows(checks, rows, reference, "eager", required)
     for option in options:
         if isinstance(reports[option.key], str):

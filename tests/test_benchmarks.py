@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
@@ -178,3 +179,91 @@ def test_hybrid_state_bytes_are_what_a_swapped_granite_program_keeps():
     width = hybrid.kv_widths(bench)["full_attention"]
     assert kept[1] == hybrid.state_bytes(config, "full_attention", 64, width)
 
+
+
+def test_llama_cpp_build_flags_follow_the_cpu_but_leave_out_amx(tmp_path):
+    llamacpp = benchmark_module("llamacpp")
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse4_2 avx f16c fma bmi2 avx2 avx512f amx_tile amx_int8\n")
+    args = llamacpp.cmake_args(cpuinfo).split()
+    assert {"-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF"} <= set(
+        args)
+    assert "-DGGML_AVX512=OFF" in args  # avx512f alone is not the five subsets ggml compiles GGML_AVX512 for
+    assert "-DGGML_AVX512_VNNI=OFF" in args
+
+
+def test_llama_cpp_rows_name_the_install_they_need_when_it_is_missing(monkeypatch):
+    llamacpp = benchmark_module("llamacpp")
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    with pytest.raises(llamacpp.Unavailable, match=r"\.\[bench\]"):
+        llamacpp.import_llama_cpp()
+    with pytest.raises(ValueError, match="file_type='Q5_K'"):
+        llamacpp.llama_cpp_path("Q5_K")
+
+
+def tiny_bench(tmp_path, init_range: float = 0.3):
+    """A 2-layer tiny Llama whose weights are large enough that its greedy tokens vary."""
+    import dataclasses
+
+    harness = benchmark_module("harness")
+    shape = dataclasses.replace(harness.SHAPES["tiny"], layers=2, max_seq_len=64)
+    prompt = torch.randint(1, shape.vocab, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+    return harness.Bench(shape, prompt, 10, 1, tmp_path, 0, init_range)
+
+
+def test_gguf_conversion_gives_transformers_logits_and_tokens_in_llama_cpp(tmp_path):
+    """The F32 GGUF run by llama.cpp against the transformers model it was written from: last-position logits of a
+    prompt, then greedy tokens equal `generate()`'s; the Q8_0 and Q4_0 files hold every matrix in their type."""
+    pytest.importorskip("llama_cpp", reason='llama.cpp rows need the bench extra: pip install -e ".[bench]"')
+    gguf = pytest.importorskip("gguf")
+    llamacpp = benchmark_module("llamacpp")
+    bench = tiny_bench(tmp_path)
+    model = benchmark_module("harness").build_hf_model(bench)
+    path = tmp_path / "model.gguf"
+    llamacpp.write_gguf(model, path)
+
+    driver = llamacpp.LlamaCppDriver(path, context=64, threads=2)
+    first = driver.prefill(bench.prompt)
+    with torch.no_grad():
+        expected = model(input_ids=torch.tensor([bench.prompt])).logits[0, -1]
+    torch.testing.assert_close(torch.from_numpy(driver.last_logits().copy()), expected, atol=1e-3, rtol=1e-3)
+    tokens = [first]
+    for i in range(bench.decode_steps):
+        tokens.append(driver.decode(tokens[-1], len(bench.prompt) + i))
+    reference = benchmark_module("harness").eager_reference_tokens(bench)
+    assert len(set(reference)) > 3, reference  # the weights give varied tokens, so the check can tell rope layouts
+    assert tokens == reference
+
+    for file_type in ("Q8_0", "Q4_0"):
+        quantized = tmp_path / f"{file_type}.gguf"
+        llamacpp.quantize_gguf(path, quantized, file_type)
+        types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(quantized)).tensors if len(t.shape) == 2}
+        assert set(types.values()) == {file_type}, types  # pure: the tied embedding / lm_head too
+        assert len(types) == 1 + 7 * bench.shape.layers
+        driver = llamacpp.LlamaCppDriver(quantized, context=64, threads=2)
+        driver.prefill(bench.prompt)
+        rounded = rounded_through(model, file_type)  # what the file's blocks hold, by gguf-py's reference quantizer
+        with torch.no_grad():
+            wanted = rounded(input_ids=torch.tensor([bench.prompt])).logits[0, -1]
+        got = torch.from_numpy(driver.last_logits().copy())
+        # llama.cpp also rounds activations to q8_0 blocks; 4 bits of this model alone move the logits far more
+        # (cosine 0.86 against the fp32 model's)
+        assert torch.nn.functional.cosine_similarity(got, wanted, dim=0) > 0.999, file_type
+
+
+def rounded_through(model: torch.nn.Module, file_type: str) -> torch.nn.Module:
+    """A copy of `model` whose matrices are rounded to a GGUF quantization type and back (gguf-py's numpy quantizer,
+    blocks along the input dimension as llama.cpp stores them)."""
+    import copy
+
+    from gguf import GGMLQuantizationType, quants
+
+    kind = GGMLQuantizationType[file_type]
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for parameter in rounded.parameters():
+            if parameter.dim() == 2:
+                weight = parameter.numpy()
+                parameter.copy_(torch.from_numpy(quants.dequantize(quants.quantize(weight, kind), kind).reshape(
+                    weight.shape)))
+    return rounded
