@@ -120,6 +120,25 @@ def gguf_weight_bytes_per_token(shape: Shape, file_type: str) -> float:
     return shape.weight_bytes_per_token(1) * BYTES_PER_WEIGHT[file_type]
 
 
+def rounded_through(model: torch.nn.Module, file_type: str) -> torch.nn.Module:
+    """A copy of `model` whose matrices are rounded to a GGUF quantization type and back by gguf-py's reference
+    quantizer (blocks along the input dimension, as the file stores them): the eager reference of a quantized row, as
+    `harness.quantized_reference` is etblocks' (llama.cpp rounds activations to q8_0 blocks besides)."""
+    import copy
+
+    from gguf import GGMLQuantizationType, quants
+
+    kind = GGMLQuantizationType[file_type]
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for parameter in rounded.parameters():
+            if parameter.dim() == 2:
+                weight = parameter.numpy()
+                parameter.copy_(torch.from_numpy(quants.dequantize(quants.quantize(weight, kind), kind).reshape(
+                    weight.shape)))
+    return rounded
+
+
 class LlamaCppDriver(RebuiltWhenPickled):
     """A GGUF loaded by llama-cpp-python: prefill is one `eval` of the prompt (llama.cpp splits it in batches of
     `n_batch`), decode one `eval` of a token; the greedy token is the argmax of the last position's logits."""

@@ -10,8 +10,9 @@ greedy tokens against the transformers model's `generate()`, its weights quantiz
 (`harness.quantized_reference`; an int8 KV cache is not in it): fp32 rows must agree on all, the others on the
 first `--quantized-min-match` (XNNPACK's dynamic int8 activations round differently from torchao's eager ones, and
 random weights give flat distributions); otherwise the script exits 1. llama.cpp's rows quantize in blocks of their
-own: (h) must share the first `--quantized-min-match` tokens of the fp32 model's, (i)'s agreement is reported
-without a requirement (its 4-bit numerics are its own). Accuracy: a small Llama (`--trained-layers`)
+own, so their reference is the transformers model with its matrices rounded to the row's type and back by gguf-py's
+reference quantizer (`llamacpp.rounded_through`): (h) must share its first `--quantized-min-match` tokens, (i)'s
+agreement is reported without a requirement (llama.cpp's 4-bit numerics are its own). Accuracy: a small Llama (`--trained-layers`)
 trained for `--train-steps` on a synthetic corpus with learnable structure (words, bigram order, copied spans), each
 option's program compared with the fp32 program by `etblocks.export.next_token_agreement` (top-1 agreement, KL); row
 (a) compares the fp32 program with eager. Results: benchmarks/results/quant.json.
@@ -67,7 +68,7 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     spread_record,
     weight_bytes_per_token,
 )
-from llamacpp import gguf_weight_bytes_per_token, llama_cpp_path
+from llamacpp import gguf_weight_bytes_per_token, llama_cpp_path, rounded_through
 
 import etblocks  # noqa: E402
 from etblocks.export.accuracy import AccuracyReport, EagerModel, next_token_agreement  # noqa: E402
@@ -384,13 +385,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     gc.collect()
 
     log("speed: eager reference tokens, then the exports")
-    reference = reference_tokens(bench, [*options, *([REFERENCE] if llama_cpp_keys else [])])
+    reference = reference_tokens(bench, options)
     row_bytes = {option.key: bytes_per_token(bench, option) for option in options}
     for key in llama_cpp_keys:  # llama.cpp's rows: their weights as stored, the same F32 cache as fp32's
-        reference[key] = reference[REFERENCE.key]
+        file_type = LLAMA_CPP_ROWS[key][0]
+        reference[key] = eager_reference_tokens(
+            bench, lambda b, file_type=file_type: rounded_through(build_hf_model(b), file_type))
         row_bytes[key] = (bytes_per_token(bench, REFERENCE) - weight_bytes_per_token(bench.shape, None)
-                          + gguf_weight_bytes_per_token(bench.shape, LLAMA_CPP_ROWS[key][0]))
-    reference = {key: reference[key] for key in [spec.key for spec in specs]}
+                          + gguf_weight_bytes_per_token(bench.shape, file_type))
     rows, bandwidths = run_paths(specs, bench, keep_files=args.out_dir is not None, warm_prefill=True)
     for row in rows:
         row.extras[BYTES_READ] = f"{row_bytes[row.key] / 1e6:.1f}"
@@ -404,8 +406,8 @@ def main(argv: Sequence[str] | None = None) -> int:
              "quantized as the row's (torchao, etblocks' configs; no int8 KV cache); XNNPACK's dynamic int8 "
              "activations round differently from torchao's eager ones and random weights give flat distributions (the "
              "accuracy table below is on a trained model): a quantized row must agree on the first "
-             f"{args.quantized_min_match}, an fp32 row on all; llama.cpp's rows against the fp32 model's tokens, "
-             f"(h) Q8_0 on the first {args.quantized_min_match}, (i) Q4_0 reported only")
+             f"{args.quantized_min_match}, an fp32 row on all; llama.cpp's rows against the model with its weights rounded through gguf-py's "
+             f"reference quantizer, (h) Q8_0 on the first {args.quantized_min_match}, (i) Q4_0 reported only")
     notes += "".join(f"\n  ({r.key}) {r.note}" for r in rows if r.note and r.status == "ok")
     target = format_targets(rows, bandwidths, row_bytes)
     accuracy_title = (f"accuracy on the trained model, next-token distributions against fp32 over "

@@ -242,7 +242,7 @@ def test_gguf_conversion_gives_transformers_logits_and_tokens_in_llama_cpp(tmp_p
         assert len(types) == 1 + 7 * bench.shape.layers
         driver = llamacpp.LlamaCppDriver(quantized, context=64, threads=2)
         driver.prefill(bench.prompt)
-        rounded = rounded_through(model, file_type)  # what the file's blocks hold, by gguf-py's reference quantizer
+        rounded = llamacpp.rounded_through(model, file_type)  # what the file's blocks hold
         with torch.no_grad():
             wanted = rounded(input_ids=torch.tensor([bench.prompt])).logits[0, -1]
         got = torch.from_numpy(driver.last_logits().copy())
@@ -250,20 +250,3 @@ def test_gguf_conversion_gives_transformers_logits_and_tokens_in_llama_cpp(tmp_p
         # (cosine 0.86 against the fp32 model's)
         assert torch.nn.functional.cosine_similarity(got, wanted, dim=0) > 0.999, file_type
 
-
-def rounded_through(model: torch.nn.Module, file_type: str) -> torch.nn.Module:
-    """A copy of `model` whose matrices are rounded to a GGUF quantization type and back (gguf-py's numpy quantizer,
-    blocks along the input dimension as llama.cpp stores them)."""
-    import copy
-
-    from gguf import GGMLQuantizationType, quants
-
-    kind = GGMLQuantizationType[file_type]
-    rounded = copy.deepcopy(model)
-    with torch.no_grad():
-        for parameter in rounded.parameters():
-            if parameter.dim() == 2:
-                weight = parameter.numpy()
-                parameter.copy_(torch.from_numpy(quants.dequantize(quants.quantize(weight, kind), kind).reshape(
-                    weight.shape)))
-    return rounded
