@@ -2,14 +2,14 @@
 
 Rows: (a) etblocks (swap + export), (b) transformers' static-cache export (token-by-token prefill), (c) ExecuTorch's
 llama example (custom SDPA and KV cache), (d) transformers' ExecutorchExporter (prefill.pte + decode.pte), (e) eager
-PyTorch (not run by default), (f) llama.cpp on the same weights as an F32 GGUF with an F32 KV cache (`llamacpp`;
-needs the `bench` extra, else the row says so). Each row is exported, then timed in a fresh process in `--rounds` interleaved rounds
-(each round starting one row later) of one untimed prefill, one timed prefill of the prompt and `--decode-steps`
-greedy steps (`harness`): decode and prefill tok/s, export
-seconds, .pte MB, ratios to (a), decode as % of the memory roofline. Every row's greedy tokens must equal eager
-transformers' `generate()` on the same weights, or the script exits 1. Results: benchmarks/results/decode.json.
+PyTorch (not run by default), (f) llama.cpp on the same weights as an F32 GGUF with an F32 KV cache (`llamacpp`; needs
+the `bench` extra, else the row says so). Each row is exported, then timed in a fresh process in `--rounds`
+interleaved rounds (each round starting one row later) of one untimed prefill, one timed prefill of the prompt and
+`--decode-steps` greedy steps (`harness`): decode and prefill tok/s, export seconds, .pte MB, ratios to (a), decode as
+% of the memory roofline. Every row's greedy tokens must equal eager transformers' `generate()` on the same weights,
+or the script exits 1. Results: benchmarks/results/decode.json.
 
-    python benchmarks/decode.py            # 30 layers, rows a-d
+    python benchmarks/decode.py            # 30 layers, rows a-d and f
     python benchmarks/decode.py --smoke    # 1 layer, rows a and b, 1 round
 
 To add a row, write a `(Bench, Row) -> Driver` function (export, fill in `row.export_s` and `row.pte_mb`, return a

@@ -10,8 +10,9 @@ etblocks quantizes its lm_head; llama.cpp's default mix would store that one mat
 Runs use llama.cpp's CPU backend with one sequence, on as many threads as ExecuTorch's thread pool, with the KV cache
 in the type the compared etblocks row keeps (`kv_type`: f32, or q8_0 beside an int8 cache). Flash attention (what
 llama-cli's "auto" picks on a CPU) only with a q8_0 cache, which needs it: its CPU kernel takes Q.K through fp16,
-which moved the logits of an F32 model by 1e-3 of their range, where without it they equal transformers' to 1e-6. Benchmark-only: `pip install -e ".[bench]"` builds llama.cpp for this host; without it the
-rows say so and the others run.
+which moved the logits of an F32 model by 1e-3 of their range, where without it they equal transformers' to 1e-6.
+Benchmark-only: the `bench` extra builds llama.cpp for this host (docs/benchmarks.md gives the command); without it
+the rows say so and the others run.
 """
 
 from __future__ import annotations
@@ -175,7 +176,7 @@ class LlamaCppDriver(RebuiltWhenPickled):
 
 
 def llama_cpp_path(file_type: str, kv_type: str = "f32",
-                   build_model: Callable[[Bench], torch.nn.Module] = build_hf_model) -> Callable[[Bench], Driver]:
+                   build_model: Callable[[Bench], torch.nn.Module] = build_hf_model) -> Callable[[Bench, Row], Driver]:
     """The `(bench, row) -> Driver` path of a llama.cpp row: convert (and quantize) the benchmark's weights (timed as
     the row's export), load them with a context of `bench.shape.max_seq_len`."""
     if file_type not in FILE_TYPES:
@@ -223,15 +224,16 @@ GGML_X86_OPTIONS = {
 def cmake_args(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     """CMAKE_ARGS that build llama.cpp for this x86 host's vector extensions but AMX: ggml's AMX matmul crashes in
     `ggml_backend_amx_mul_mat` on this machine kind (ggml-org/llama.cpp#20824, open; ollama and dspy drop the AMX
-    build too), and `GGML_NATIVE` (the default) turns it on wherever the CPU has it."""
-    flags = set()
-    for line in cpuinfo.read_text().splitlines():
-        if line.startswith("flags"):
-            flags = set(line.partition(":")[2].split())
-            break
+    build too), and `GGML_NATIVE` (the default) turns it on wherever the CPU has it. Elsewhere (no x86 `flags` line,
+    e.g. Arm): nothing, llama.cpp's own native build."""
+    flags = next((set(line.partition(":")[2].split()) for line in cpuinfo.read_text().splitlines()
+                  if line.startswith("flags")), None)
+    if flags is None:
+        return ""
     options = [f"-D{option}={'ON' if all(f in flags for f in needs) else 'OFF'}"
                for option, needs in GGML_X86_OPTIONS.items()]
-    return " ".join(["-DGGML_NATIVE=OFF", *options, "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"])
+    amx_off = ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+    return " ".join(["-DGGML_NATIVE=OFF", *options, *amx_off])
 
 
 if __name__ == "__main__":

@@ -21,17 +21,17 @@ one seeded prompt (prefill fills most of the context; the decode steps end 8 sho
 each context is timed in a fresh process of its own (`harness.time_in_fresh_process`: programs loaded anew, MKL on one
 thread) in `--rounds` interleaved rounds, each starting one row later, of an untimed prefill, a timed prefill and
 `--decode-steps` timed greedy steps. Reported per context: decode and prefill tok/s (medians [min-max]), the ratios
-(b)/(a), (d)/(c), (a)/(c), (a)/(e) and (f)/(e) (medians of per-round ratios), and each cache's decode roofline: the read bandwidth
-sampled every round over the bytes a decode step reads (`harness.bytes_per_token`: fp32 linears and lm_head, plus the
-cache's bytes per position, `harness.kv_bytes_per_position`, at the mean decode position).
+(b)/(a), (d)/(c), (a)/(c), (a)/(e) and (f)/(e) (medians of per-round ratios), and each cache's decode roofline: the
+read bandwidth sampled every round over the bytes a decode step reads (`harness.bytes_per_token`: fp32 linears and
+lm_head, plus the cache's bytes per position, `harness.kv_bytes_per_position`, at the mean decode position).
 
 Target: (b) int8 KV / (a) fp32 KV decode >= 1.2x at the largest context (PASS/FAIL on the median of per-round ratios).
 
 Tokens, at every context: the fp32-cache rows (a), (c) and (e) must equal eager transformers' `generate()` on the same
-weights, every token; the int8-cache rows (b), (d) and (f) must agree with it on the first `--quantized-min-match` (default
-1), the rule quant.py applies to its int8-KV row (b) (a quantized row agrees on the first `--quantized-min-match`
-greedy tokens: random weights give flat distributions that the cache's rounding tips), and their agreement is printed;
-otherwise the script exits 1. Results: benchmarks/results/long_context.json.
+weights, every token; the int8-cache rows (b), (d) and (f) must agree with it on the first `--quantized-min-match`
+(default 1), the rule quant.py applies to its int8-KV row (b) (a quantized row agrees on the first
+`--quantized-min-match` greedy tokens: random weights give flat distributions that the cache's rounding tips), and
+their agreement is printed; otherwise the script exits 1. Results: benchmarks/results/long_context.json.
 
     python benchmarks/long_context.py            # 30 layers, contexts 256, 2048, 8192 (caches of 8192), rows a-f
     python benchmarks/long_context.py --smoke    # tiny shape, 1 layer, contexts 16 and 32 (caches of 64), 1 round

@@ -1,21 +1,22 @@
 """Quantization options side by side: decode speed on the SmolLM2-135M shape, accuracy on a small model trained here.
 
-Options (`--rows`): (a) fp32, (b) fp32 + int8 KV cache, (c) 8da8w, (d) 8da8w + int8 KV, (e) 8da4w (groups of 32),
-(f) 8da4w + int8 KV, (g) 8da4w + int8 embedding; beside them llama.cpp on the same weights (`llamacpp`; speed only,
-needs the `bench` extra): (h) Q8_0 beside (c), (i) Q4_0 beside (e), both with an F32 KV cache as etblocks' rows. Speed: each option swapped and exported from a random-weight
-transformers Llama and timed as decode.py times (`harness`: fresh process, interleaved rounds, medians [min-max]),
-with each row's roofline from the bytes a decode step reads (`harness.bytes_per_token`: the linears as quantized,
-the lm_head, the KV cache at the mean decode position) and PASS/FAIL on 8da4w reaching 50% of it. Tokens: each row's
-greedy tokens against the transformers model's `generate()`, its weights quantized as the row quantizes them
-(`harness.quantized_reference`; an int8 KV cache is not in it): fp32 rows must agree on all, the others on the
-first `--quantized-min-match` (XNNPACK's dynamic int8 activations round differently from torchao's eager ones, and
-random weights give flat distributions); otherwise the script exits 1. llama.cpp's rows quantize in blocks of their
-own, so their reference is the transformers model with its matrices rounded to the row's type and back by gguf-py's
-reference quantizer (`llamacpp.rounded_through`): (h) must share its first `--quantized-min-match` tokens, (i)'s
-agreement is reported without a requirement (llama.cpp's 4-bit numerics are its own). Accuracy: a small Llama (`--trained-layers`)
-trained for `--train-steps` on a synthetic corpus with learnable structure (words, bigram order, copied spans), each
-option's program compared with the fp32 program by `etblocks.export.next_token_agreement` (top-1 agreement, KL); row
-(a) compares the fp32 program with eager. Results: benchmarks/results/quant.json.
+Options (`--rows`): (a) fp32, (b) fp32 + int8 KV cache, (c) 8da8w, (d) 8da8w + int8 KV, (e) 8da4w (groups of 32), (f)
+8da4w + int8 KV, (g) 8da4w + int8 embedding; beside them llama.cpp on the same weights (`llamacpp`; speed only, needs
+the `bench` extra): (h) Q8_0 beside (c), (i) Q4_0 beside (e), both with an F32 KV cache as etblocks' rows. Speed: each
+option swapped and exported from a random-weight transformers Llama and timed as decode.py times (`harness`: fresh
+process, interleaved rounds, medians [min-max]), with each row's roofline from the bytes a decode step reads
+(`harness.bytes_per_token`: the linears as quantized, the lm_head, the KV cache at the mean decode position) and
+PASS/FAIL on 8da4w reaching 50% of it. Tokens: each row's greedy tokens against the transformers model's `generate()`,
+its weights quantized as the row quantizes them (`harness.quantized_reference`; an int8 KV cache is not in it): fp32
+rows must agree on all, the others on the first `--quantized-min-match` (XNNPACK's dynamic int8 activations round
+differently from torchao's eager ones, and random weights give flat distributions); otherwise the script exits 1.
+llama.cpp's rows quantize in blocks of their own, so their reference is the transformers model with its matrices
+rounded to the row's type and back by gguf-py's reference quantizer (`llamacpp.rounded_through`): (h) must share its
+first `--quantized-min-match` tokens, (i)'s agreement is reported without a requirement (llama.cpp's 4-bit numerics
+are its own). Accuracy: a small Llama (`--trained-layers`) trained for `--train-steps` on a synthetic corpus with
+learnable structure (words, bigram order, copied spans), each option's program compared with the fp32 program by
+`etblocks.export.next_token_agreement` (top-1 agreement, KL); row (a) compares the fp32 program with eager. Results:
+benchmarks/results/quant.json.
 
     python benchmarks/quant.py            # 30 layers, 300 training steps
     python benchmarks/quant.py --smoke    # 1 layer, rows a and e, 5 training steps
@@ -47,6 +48,7 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     PathSpec,
     Row,
     Shape,
+    Unavailable,
     aligned_table,
     argument_parser,
     add_run_args,
@@ -68,7 +70,7 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     spread_record,
     weight_bytes_per_token,
 )
-from llamacpp import gguf_weight_bytes_per_token, llama_cpp_path, rounded_through
+from llamacpp import gguf_weight_bytes_per_token, import_gguf, llama_cpp_path, rounded_through
 
 import etblocks  # noqa: E402
 from etblocks.export.accuracy import AccuracyReport, EagerModel, next_token_agreement  # noqa: E402
@@ -118,7 +120,7 @@ def speed_path(option: Option) -> Callable[[Bench, Row], Driver]:
     return path
 
 
-# llama.cpp rows: key -> (GGUF file type, the etblocks row compared with it, the decode and prefill ratio it must reach)
+# llama.cpp rows: key -> (GGUF file type, the etblocks row compared with it, the decode ratio that row must reach)
 LLAMA_CPP_ROWS = {"h": ("Q8_0", "c", 1.2), "i": ("Q4_0", "e", 1.3)}
 SPEED_PATHS = [PathSpec(option.key, option.name, speed_path(option)) for option in OPTIONS] + [
     PathSpec(key, f"llama.cpp {file_type}", llama_cpp_path(file_type))
@@ -389,8 +391,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     row_bytes = {option.key: bytes_per_token(bench, option) for option in options}
     for key in llama_cpp_keys:  # llama.cpp's rows: their weights as stored, the same F32 cache as fp32's
         file_type = LLAMA_CPP_ROWS[key][0]
-        reference[key] = eager_reference_tokens(
-            bench, lambda b, file_type=file_type: rounded_through(build_hf_model(b), file_type))
+        try:
+            import_gguf()
+            reference[key] = eager_reference_tokens(
+                bench, lambda b, file_type=file_type: rounded_through(build_hf_model(b), file_type))
+        except Unavailable:
+            reference[key] = []  # the row itself says what it needs
         row_bytes[key] = (bytes_per_token(bench, REFERENCE) - weight_bytes_per_token(bench.shape, None)
                           + gguf_weight_bytes_per_token(bench.shape, file_type))
     rows, bandwidths = run_paths(specs, bench, keep_files=args.out_dir is not None, warm_prefill=True)
@@ -406,8 +412,9 @@ def main(argv: Sequence[str] | None = None) -> int:
              "quantized as the row's (torchao, etblocks' configs; no int8 KV cache); XNNPACK's dynamic int8 "
              "activations round differently from torchao's eager ones and random weights give flat distributions (the "
              "accuracy table below is on a trained model): a quantized row must agree on the first "
-             f"{args.quantized_min_match}, an fp32 row on all; llama.cpp's rows against the model with its weights rounded through gguf-py's "
-             f"reference quantizer, (h) Q8_0 on the first {args.quantized_min_match}, (i) Q4_0 reported only")
+             f"{args.quantized_min_match}, an fp32 row on all; llama.cpp's rows against the model with its weights "
+             f"rounded through gguf-py's reference quantizer, (h) Q8_0 on the first {args.quantized_min_match}, (i) "
+             "Q4_0 reported only")
     notes += "".join(f"\n  ({r.key}) {r.note}" for r in rows if r.note and r.status == "ok")
     target = format_targets(rows, bandwidths, row_bytes)
     accuracy_title = (f"accuracy on the trained model, next-token distributions against fp32 over "

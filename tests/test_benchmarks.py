@@ -186,10 +186,12 @@ def test_llama_cpp_build_flags_follow_the_cpu_but_leave_out_amx(tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse4_2 avx f16c fma bmi2 avx2 avx512f amx_tile amx_int8\n")
     args = llamacpp.cmake_args(cpuinfo).split()
-    assert {"-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF"} <= set(
-        args)
+    wanted = {"-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF"}
+    assert wanted <= set(args)
     assert "-DGGML_AVX512=OFF" in args  # avx512f alone is not the five subsets ggml compiles GGML_AVX512 for
     assert "-DGGML_AVX512_VNNI=OFF" in args
+    cpuinfo.write_text("processor\t: 0\nFeatures\t: fp asimd asimddp i8mm\n")  # Arm: llama.cpp's own native build
+    assert llamacpp.cmake_args(cpuinfo) == ""
 
 
 def test_llama_cpp_rows_name_the_install_they_need_when_it_is_missing(monkeypatch):
@@ -199,6 +201,25 @@ def test_llama_cpp_rows_name_the_install_they_need_when_it_is_missing(monkeypatc
         llamacpp.import_llama_cpp()
     with pytest.raises(ValueError, match="file_type='Q5_K'"):
         llamacpp.llama_cpp_path("Q5_K")
+
+
+@pytest.mark.slow
+def test_llama_cpp_rows_are_unavailable_without_the_bench_extra(tmp_path):
+    """quant.py with llama.cpp's rows where neither llama-cpp-python nor gguf imports: those rows say what they need,
+    the others run and agree, the script exits 0."""
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    for module in ("llama_cpp", "gguf"):
+        (shadow / f"{module}.py").write_text(f"raise ImportError('{module} is shadowed by the test')\n")
+    out = tmp_path / "results.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(shadow), str(ROOT)]))
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "quant.py"), "--smoke", "--rows", "a,h,i", "--out",
+                           str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    rows = {row["key"]: row for row in the_entry(out)["rows"]}
+    for key in ("h", "i"):
+        assert rows[key]["status"].startswith("unavailable: needs llama-cpp-python"), rows[key]
+    assert rows["a"]["status"] == "ok"
 
 
 def tiny_bench(tmp_path, init_range: float = 0.3):
