@@ -180,7 +180,6 @@ def test_hybrid_state_bytes_are_what_a_swapped_granite_program_keeps():
     assert kept[1] == hybrid.state_bytes(config, "full_attention", 64, width)
 
 
-
 def test_llama_cpp_build_flags_follow_the_cpu_but_leave_out_amx(tmp_path):
     llamacpp = benchmark_module("llamacpp")
     cpuinfo = tmp_path / "cpuinfo"
@@ -270,4 +269,3 @@ def test_gguf_conversion_gives_transformers_logits_and_tokens_in_llama_cpp(tmp_p
         # llama.cpp also rounds activations to q8_0 blocks; 4 bits of this model alone move the logits far more
         # (cosine 0.86 against the fp32 model's)
         assert torch.nn.functional.cosine_similarity(got, wanted, dim=0) > 0.999, file_type
-
