@@ -55,6 +55,7 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     run_paths,
     select_paths,
     spread_record,
+    target_line,
 )
 from llamacpp import llama_cpp_path
 
@@ -166,25 +167,19 @@ def format_targets(rows: list[Row], rooflines: list[float]) -> str:
     (`rooflines`: the roofline tok/s of each round)."""
     by_key = {r.key: r for r in rows if r.status == "ok"}
     a, b, c, f = by_key.get("a"), by_key.get("b"), by_key.get("c"), by_key.get("f")
-
-    def check(label: str, value: float | None, goal: float, unit: str) -> str:
-        if value is None:
-            return f"  n/a   {label} (needs the rows it compares)"
-        return f"  {'PASS' if value >= goal else 'FAIL'}  {label}: {value:.2f}{unit} (goal >= {goal}{unit})"
-
     roofline_share = paired_median(a.decode_runs, rooflines) if a else None
+
+    def ratio(row: Row | None, other: Row | None, runs: str) -> float | None:
+        return paired_median(getattr(row, runs), getattr(other, runs)) if row and other else None
+
     return "\n".join([
         "targets (median of per-round ratios):",
-        check("(a) decode / (c) decode", paired_median(a.decode_runs, c.decode_runs) if a and c else None, 1.0, "x"),
-        check("(a) decode % roofline", 100 * roofline_share if roofline_share else None, 80, "%"),
-        check("(a) prefill / (b) prefill", paired_median(a.prefill_runs, b.prefill_runs) if a and b else None, 20,
-              "x"),
-        check("(a) prefill / (c) prefill", paired_median(a.prefill_runs, c.prefill_runs) if a and c else None, 1.1,
-              "x"),
-        check("(a) decode / (f) llama.cpp decode", paired_median(a.decode_runs, f.decode_runs) if a and f else None,
-              1.0, "x"),
-        check("(a) prefill / (f) llama.cpp prefill",
-              paired_median(a.prefill_runs, f.prefill_runs) if a and f else None, 1.0, "x"),
+        target_line("(a) decode / (c) decode", ratio(a, c, "decode_runs"), 1.0),
+        target_line("(a) decode % roofline", 100 * roofline_share if roofline_share else None, 80, "%"),
+        target_line("(a) prefill / (b) prefill", ratio(a, b, "prefill_runs"), 20),
+        target_line("(a) prefill / (c) prefill", ratio(a, c, "prefill_runs"), 1.1),
+        target_line("(a) decode / (f) llama.cpp decode", ratio(a, f, "decode_runs"), 1.0),
+        target_line("(a) prefill / (f) llama.cpp prefill", ratio(a, f, "prefill_runs"), 1.0),
     ])
 
 

@@ -669,6 +669,14 @@ def paired_median(numerators: list[float], denominators: list[float]) -> float |
     return statistics.median(n / d for n, d in zip(numerators, denominators))
 
 
+def target_line(label: str, value: float | None, goal: float, unit: str = "x") -> str:
+    """One line of a script's targets: PASS or FAIL of `value >= goal` (both in `unit`), n/a without a value (the
+    rows it compares did not run)."""
+    if value is None:
+        return f"  n/a   {label} (needs the rows it compares)"
+    return f"  {'PASS' if value >= goal else 'FAIL'}  {label}: {value:.2f}{unit} (goal >= {goal}{unit})"
+
+
 # --------------------------------------------------------------------------------------------------
 # Main
 

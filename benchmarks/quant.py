@@ -68,6 +68,7 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     run_paths,
     select_paths,
     spread_record,
+    target_line,
     weight_bytes_per_token,
 )
 from llamacpp import gguf_weight_bytes_per_token, import_gguf, llama_cpp_path, rounded_through
@@ -147,26 +148,19 @@ def format_targets(rows: Sequence[Row], bandwidths: Sequence[float], row_bytes: 
     """PASS/FAIL on the median of per-round ratios: 8da4w decode >= 50% of its roofline, and each etblocks row
     against its llama.cpp row (`LLAMA_CPP_ROWS`: decode at the row's ratio, prefill at `PREFILL_GOAL`)."""
     by_key = {r.key: r for r in rows if r.status == "ok"}
-
-    def check(label: str, value: float | None, goal: float, unit: str = "x") -> str:
-        if value is None:
-            return f"  n/a   {label} (needs the rows it compares)"
-        shown = f"{100 * value:.0f}%" if unit == "%" else f"{value:.2f}x"
-        wanted = f"{100 * goal:.0f}%" if unit == "%" else f"{goal}x"
-        return f"  {'PASS' if value >= goal else 'FAIL'}  {label}: {shown} (goal >= {wanted})"
-
     row = by_key.get(TARGET_KEY)
-    lines = ["targets (median of per-round ratios):", check(
-        f"({TARGET_KEY}) 8da4w decode % of its roofline",
-        paired_median(row.decode_runs, [b / row_bytes[TARGET_KEY] for b in bandwidths]) if row else None,
-        TARGET_SHARE, "%")]
+    share = paired_median(row.decode_runs, [b / row_bytes[TARGET_KEY] for b in bandwidths]) if row else None
+    lines = ["targets (median of per-round ratios):", target_line(
+        f"({TARGET_KEY}) 8da4w decode % of its roofline", None if share is None else 100 * share,
+        100 * TARGET_SHARE, "%")]
     for key, (file_type, ours, goal) in LLAMA_CPP_ROWS.items():
         theirs, mine = by_key.get(key), by_key.get(ours)
         both = theirs is not None and mine is not None
-        lines.append(check(f"({ours}) decode / ({key}) llama.cpp {file_type} decode",
-                           paired_median(mine.decode_runs, theirs.decode_runs) if both else None, goal))
-        lines.append(check(f"({ours}) prefill / ({key}) llama.cpp {file_type} prefill",
-                           paired_median(mine.prefill_runs, theirs.prefill_runs) if both else None, PREFILL_GOAL))
+        lines.append(target_line(f"({ours}) decode / ({key}) llama.cpp {file_type} decode",
+                                 paired_median(mine.decode_runs, theirs.decode_runs) if both else None, goal))
+        lines.append(target_line(f"({ours}) prefill / ({key}) llama.cpp {file_type} prefill",
+                                 paired_median(mine.prefill_runs, theirs.prefill_runs) if both else None,
+                                 PREFILL_GOAL))
     return "\n".join(lines)
 
 
@@ -389,7 +383,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     log("speed: eager reference tokens, then the exports")
     reference = reference_tokens(bench, options)
     row_bytes = {option.key: bytes_per_token(bench, option) for option in options}
-    for key in llama_cpp_keys:  # llama.cpp's rows: their weights as stored, the same F32 cache as fp32's
+    # llama.cpp's rows: their weights as stored, plus what fp32's F32 cache reads
+    fp32_cache_bytes = (bytes_per_token(bench, REFERENCE) - weight_bytes_per_token(bench.shape, None)
+                        if llama_cpp_keys else 0.0)
+    for key in llama_cpp_keys:
         file_type = LLAMA_CPP_ROWS[key][0]
         try:
             import_gguf()
@@ -397,8 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 bench, lambda b, file_type=file_type: rounded_through(build_hf_model(b), file_type))
         except Unavailable:
             reference[key] = []  # the row itself says what it needs
-        row_bytes[key] = (bytes_per_token(bench, REFERENCE) - weight_bytes_per_token(bench.shape, None)
-                          + gguf_weight_bytes_per_token(bench.shape, file_type))
+        row_bytes[key] = fp32_cache_bytes + gguf_weight_bytes_per_token(bench.shape, file_type)
     rows, bandwidths = run_paths(specs, bench, keep_files=args.out_dir is not None, warm_prefill=True)
     for row in rows:
         row.extras[BYTES_READ] = f"{row_bytes[row.key] / 1e6:.1f}"
