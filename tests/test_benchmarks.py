@@ -204,21 +204,20 @@ def test_llama_cpp_rows_name_the_install_they_need_when_it_is_missing(monkeypatc
 
 @pytest.mark.slow
 def test_llama_cpp_rows_are_unavailable_without_the_bench_extra(tmp_path):
-    """quant.py with llama.cpp's rows where neither llama-cpp-python nor gguf imports: those rows say what they need,
-    the others run and agree, the script exits 0."""
+    """quant.py with llama.cpp's rows where neither llama-cpp-python nor gguf imports: those rows say what they need
+    and the script exits 0. Its own rows alone: the others are the quant smoke run's."""
     shadow = tmp_path / "shadow"
     shadow.mkdir()
     for module in ("llama_cpp", "gguf"):
         (shadow / f"{module}.py").write_text(f"raise ImportError('{module} is shadowed by the test')\n")
     out = tmp_path / "results.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(shadow), str(ROOT)]))
-    done = subprocess.run([sys.executable, str(BENCHMARKS / "quant.py"), "--smoke", "--rows", "a,h,i", "--out",
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "quant.py"), "--smoke", "--rows", "h,i", "--out",
                            str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     rows = {row["key"]: row for row in the_entry(out)["rows"]}
     for key in ("h", "i"):
         assert rows[key]["status"].startswith("unavailable: needs llama-cpp-python"), rows[key]
-    assert rows["a"]["status"] == "ok"
 
 
 def tiny_bench(tmp_path, init_range: float = 0.3):

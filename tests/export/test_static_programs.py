@@ -27,8 +27,10 @@ from etblocks.swap.hf.adapter import HFSingleHeadAttention
 NEW_TOKENS = 32
 PROMPT_LENGTHS = (16, 13, 5, 17)
 STATIC_FAMILIES = ("llama", "qwen3", "gemma3_text", "qwen3_5_text", "qwen3_5_moe_text", "lfm2", "granitemoehybrid")
-# Exported: each backend lowers the layers its own way; Qwen3.5-MoE adds only the dense MoE beside its mixers.
-EXPORTED = [(n, b) for n in STATIC_FAMILIES if n != "qwen3_5_moe_text" for b in ("portable", "xnnpack", "openvino")]
+# Exported: each backend lowers the layers its own way; Qwen3.5-MoE adds only the dense MoE beside its mixers and
+# Qwen3 only the per-head q/k norms that gemma3_text's programs hold too.
+EXPORTED = [(n, b) for n in ("llama", "gemma3_text", "qwen3_5_text", "lfm2", "granitemoehybrid")
+            for b in ("portable", "xnnpack", "openvino")]
 EXPORTED.append(("qwen3_5_moe_text", "openvino"))
 LOGIT_ATOL = 1e-4
 
