@@ -516,22 +516,33 @@ class PathSpec:
 # Roofline, reference tokens, report
 
 
+# What `measure_read_bandwidth` reads, for the lines that print its figure.
+BANDWIDTH_PROBE = ("the best of torch.mv and torch.sum over 1 GB of random fp32, on 1 thread and on ExecuTorch's "
+                   "thread count")
+
+
 def measure_read_bandwidth(gigabytes: float = 1.0, reps: int = 5) -> float:
-    """Read bandwidth in bytes/s: the best of `torch.sum` over a random fp32 array, `reps` times with all torch
-    threads and `reps` times with one (one thread is often as fast). Random data: a constant-filled array can read
-    far faster than anything a program's weights do."""
-    x = torch.rand(int(gigabytes * 1e9) // 4)
+    """Read bandwidth in bytes/s: the best of two streaming reads of a random fp32 matrix, `torch.mv` (a
+    matrix-vector product, as a decode step's linears are) and `torch.sum`, `reps` times each on as many threads as
+    ExecuTorch's pool runs the programs with, and on one. Not torch's own count: the timing processes start with
+    MKL on one thread, which leaves torch one too. `torch.sum` alone is bound by its reduction on AVX-512 hosts
+    (a third below `torch.mv` here). Random data: a constant-filled array can read far faster than weights do."""
+    from executorch.extension.pybindings.portable_lib import _threadpool_get_thread_count
+
+    matrix = torch.rand(4096, int(gigabytes * 1e9) // (4 * 4096))
+    vector, flat = torch.rand(matrix.shape[1]), matrix.view(-1)
     threads, best = torch.get_num_threads(), float("inf")
     try:
-        for num_threads in (threads, 1):
+        for num_threads in (_threadpool_get_thread_count(), 1):
             torch.set_num_threads(num_threads)
-            for _ in range(reps):
-                start = time.perf_counter()
-                x.sum()
-                best = min(best, time.perf_counter() - start)
+            for read in (lambda: torch.mv(matrix, vector), flat.sum):
+                for _ in range(reps):
+                    start = time.perf_counter()
+                    read()
+                    best = min(best, time.perf_counter() - start)
     finally:
         torch.set_num_threads(threads)
-    return x.numel() * 4 / best
+    return matrix.numel() * 4 / best
 
 
 def quantize_like_example(model: torch.nn.Module, quantize: str | None, group_size: int) -> torch.nn.Module:
@@ -881,8 +892,8 @@ def describe_run(title: str, bench: Bench, bandwidths: list[float], model: str |
         f"steps; figures are medians of {bench.rounds} interleaved rounds [min-max]; torch {torch.__version__}, "
         f"{threads} torch threads, {_threadpool_get_thread_count()} ExecuTorch threads",
         describe_cpu(),
-        f"roofline: read bandwidth {statistics.median(gb):.1f} GB/s [{min(gb):.1f}-{max(gb):.1f}] (torch.sum over "
-        f"1 GB of random fp32, best of 1 and {threads} threads, sampled every round) / {weight_bytes / 1e6:.1f} MB "
+        f"roofline: read bandwidth {statistics.median(gb):.1f} GB/s [{min(gb):.1f}-{max(gb):.1f}] ({BANDWIDTH_PROBE}, "
+        f"sampled every round) / {weight_bytes / 1e6:.1f} MB "
         f"fp32 weights per token (linears + lm_head) = {roofline_tps:.1f} tok/s\n",
     ])
 

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from harness import (  # benchmarks/ is not a package: Python puts this script's folder first on sys.path
+    BANDWIDTH_PROBE,
     GROUP_SIZE,
     Bench,
     Checks,
@@ -309,8 +310,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{START_POS}-{START_POS + args.calls - 1}, medians [min-max]; {_threadpool_get_thread_count()} ExecuTorch "
         "threads",
         describe_cpu(),
-        f"read bandwidth {statistics.median(gb):.1f} GB/s [{min(gb):.1f}-{max(gb):.1f}] (torch.sum over 1 GB of "
-        "random fp32, sampled every round)\n"])
+        f"read bandwidth {statistics.median(gb):.1f} GB/s [{min(gb):.1f}-{max(gb):.1f}] ({BANDWIDTH_PROBE}, sampled "
+        "every round)\n"])
     schemes = "linears alone, per weight scheme\n" + table([by_key[p.key] for p in SCHEME_PARTS], bandwidths,
                                                            reference, increments=False)
     steps = "the 8da4w g32 step built up from its linears\n" + table(
