@@ -3,9 +3,10 @@ Granite 4.0-H: Mamba2 + attention, with or without MoE):
 their state in the static contract, adapters, 8da4w, QNN readiness and the refusal of state layers etblocks does
 not convert, against untouched transformers and PEFT.
 
-They are `FAMILIES` entries: eager parity and the dynamic XNNPACK program's greedy tokens are in
+They are `FAMILIES` entries: eager parity (and Qwen3.5's dynamic XNNPACK program without LoRA slots) is in
 `tests/swap/test_hf_families.py`, the static programs (eager and exported, padded tails, save and restore) in
-`tests/export/test_static_programs.py`. A padded call must leave the recurrent state as the real tokens left it:
+`tests/export/test_static_programs.py`; here, every hybrid's dynamic XNNPACK program with LoRA slots, an adapter
+set and none. A padded call must leave the recurrent state as the real tokens left it:
 padding rows carry position -1, which gated DeltaNet and Mamba2 neither decay nor write with.
 """
 

@@ -1,6 +1,7 @@
 """MoE models exported with each strategy, under the dynamic and the static contract, against untouched
-transformers `generate` (32 greedy tokens). The gather strategy on XNNPACK's dynamic program is covered for
-every family by tests/swap/test_hf_families.py; here: dense on the dynamic program, both on static ones."""
+transformers `generate` (32 greedy tokens). The gather strategy on XNNPACK's dynamic program is in
+tests/swap/test_hf_families.py (deepseek_v3, gpt_oss) and benchmarks/support_matrix.py (every family); here: gather
+with a chunk below the prompt and dense on the dynamic program, both on static ones."""
 
 from __future__ import annotations
 
