@@ -525,8 +525,8 @@ def measure_read_bandwidth(gigabytes: float = 1.0, reps: int = 5) -> float:
     """Read bandwidth in bytes/s: the best of two streaming reads of a random fp32 matrix, `torch.mv` (a
     matrix-vector product, as a decode step's linears are) and `torch.sum`, `reps` times each on as many threads as
     ExecuTorch's pool runs the programs with, and on one. Not torch's own count: the timing processes start with
-    MKL on one thread, which leaves torch one too. `torch.sum` alone is bound by its reduction on AVX-512 hosts
-    (a third below `torch.mv` here). Random data: a constant-filled array can read far faster than weights do."""
+    MKL on one thread, which leaves torch one too. `torch.sum` alone can be bound by its reduction rather than the
+    memory (on AVX-512 hosts). Random data: a constant-filled array can read far faster than weights do."""
     from executorch.extension.pybindings.portable_lib import _threadpool_get_thread_count
 
     matrix = torch.rand(4096, int(gigabytes * 1e9) // (4 * 4096))
