@@ -23,8 +23,8 @@ from etblocks.swap.hf.adapter import HFKVSharedAttention, HFSingleHeadAttention
 
 NEW_TOKENS = 32
 PROMPT_LENGTHS = (16, 13)
-# Exported static programs: every backend takes both families' reuse layers, each family goes to OpenVINO and one
-# of the two others (gemma3n's dynamic XNNPACK program is in tests/swap/test_hf_families.py), the MoE variant (dense
+# Exported static programs: every backend takes a family's reuse layers; each family goes to OpenVINO and to one of
+# the two others (gemma3n's dynamic XNNPACK program is in tests/swap/test_hf_families.py), the MoE variant (dense
 # experts) to OpenVINO.
 EXPORTED = [("gemma3n_text", "portable"), ("gemma3n_text", "openvino"), ("gemma4_text", "xnnpack"),
             ("gemma4_text", "openvino"), ("gemma4_text_moe", "openvino")]
