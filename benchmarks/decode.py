@@ -52,6 +52,7 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     pte_megabytes,
     row_record,
     run_method,
+    rows_ratio,
     run_paths,
     select_paths,
     spread_record,
@@ -168,18 +169,14 @@ def format_targets(rows: list[Row], rooflines: list[float]) -> str:
     by_key = {r.key: r for r in rows if r.status == "ok"}
     a, b, c, f = by_key.get("a"), by_key.get("b"), by_key.get("c"), by_key.get("f")
     roofline_share = paired_median(a.decode_runs, rooflines) if a else None
-
-    def ratio(row: Row | None, other: Row | None, runs: str) -> float | None:
-        return paired_median(getattr(row, runs), getattr(other, runs)) if row and other else None
-
     return "\n".join([
         "targets (median of per-round ratios):",
-        target_line("(a) decode / (c) decode", ratio(a, c, "decode_runs"), 1.0),
+        target_line("(a) decode / (c) decode", rows_ratio(a, c, "decode_runs"), 1.0),
         target_line("(a) decode % roofline", 100 * roofline_share if roofline_share else None, 80, "%"),
-        target_line("(a) prefill / (b) prefill", ratio(a, b, "prefill_runs"), 20),
-        target_line("(a) prefill / (c) prefill", ratio(a, c, "prefill_runs"), 1.1),
-        target_line("(a) decode / (f) llama.cpp decode", ratio(a, f, "decode_runs"), 1.0),
-        target_line("(a) prefill / (f) llama.cpp prefill", ratio(a, f, "prefill_runs"), 1.0),
+        target_line("(a) prefill / (b) prefill", rows_ratio(a, b, "prefill_runs"), 20),
+        target_line("(a) prefill / (c) prefill", rows_ratio(a, c, "prefill_runs"), 1.1),
+        target_line("(a) decode / (f) llama.cpp decode", rows_ratio(a, f, "decode_runs"), 1.0),
+        target_line("(a) prefill / (f) llama.cpp prefill", rows_ratio(a, f, "prefill_runs"), 1.0),
     ])
 
 

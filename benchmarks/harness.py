@@ -680,6 +680,11 @@ def paired_median(numerators: list[float], denominators: list[float]) -> float |
     return statistics.median(n / d for n, d in zip(numerators, denominators))
 
 
+def rows_ratio(row: Row | None, other: Row | None, runs: str) -> float | None:
+    """`paired_median` of two rows' `runs` ("decode_runs" or "prefill_runs"); None unless both rows ran."""
+    return paired_median(getattr(row, runs), getattr(other, runs)) if row and other else None
+
+
 def target_line(label: str, value: float | None, goal: float, unit: str = "x") -> str:
     """One line of a script's targets: PASS or FAIL of `value >= goal` (both in `unit`), n/a without a value (the
     rows it compares did not run)."""

@@ -65,6 +65,7 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     quantized_reference,
     parse_with_smoke,
     row_record,
+    rows_ratio,
     run_paths,
     select_paths,
     spread_record,
@@ -155,12 +156,10 @@ def format_targets(rows: Sequence[Row], bandwidths: Sequence[float], row_bytes: 
         100 * TARGET_SHARE, "%")]
     for key, (file_type, ours, goal) in LLAMA_CPP_ROWS.items():
         theirs, mine = by_key.get(key), by_key.get(ours)
-        both = theirs is not None and mine is not None
         lines.append(target_line(f"({ours}) decode / ({key}) llama.cpp {file_type} decode",
-                                 paired_median(mine.decode_runs, theirs.decode_runs) if both else None, goal))
+                                 rows_ratio(mine, theirs, "decode_runs"), goal))
         lines.append(target_line(f"({ours}) prefill / ({key}) llama.cpp {file_type} prefill",
-                                 paired_median(mine.prefill_runs, theirs.prefill_runs) if both else None,
-                                 PREFILL_GOAL))
+                                 rows_ratio(mine, theirs, "prefill_runs"), PREFILL_GOAL))
     return "\n".join(lines)
 
 
