@@ -47,6 +47,7 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     export_with_etblocks,
     finish,
     format_table,
+    in_fresh_process,
     make_bench,
     parse_with_smoke,
     quantized_reference,
@@ -100,7 +101,9 @@ class StepProfile:
 
 def profile_decode(path: Path, bench: Bench, steps: int) -> StepProfile:
     """Prefill the prompt, decode `steps` tokens untimed (warm-up), then `steps` timed ones with ETDump on, and
-    average the timed steps' events."""
+    average the timed steps' events. Run in a fresh process (`in_fresh_process`), as the timed rounds are: in the
+    process that exported the programs, torch's MKL runs on every core, and `llama::custom_sdpa`, which calls it
+    from inside ExecuTorch's own thread pool, takes several times as long there."""
     from executorch.devtools import Inspector
 
     driver = TokensPosDriver(path, enable_etdump=True, debug_buffer_size=0)
@@ -183,8 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(note)
         checks = Checks()
         check_rows(checks, rows, reference, "eager", {row.key: args.quantized_min_match for row in rows})
-        profiles = {row.key: profile_decode(bench.out_dir / FILES[row.key], bench, args.profile_steps)
-                    for row in rows if row.status == "ok"}
+        profiles = {row.key: in_fresh_process(profile_decode, bench.out_dir / FILES[row.key], bench,
+                                              args.profile_steps) for row in rows if row.status == "ok"}
         profile_title = (f"ETDump of {args.profile_steps} decode steps (after the prompt and {args.profile_steps} "
                          "untimed steps), mean ms per step (share of the Python step):")
         profile_table = format_profiles(profiles, {row.key: row.name for row in rows}, step_bytes / bandwidth * 1e3)
