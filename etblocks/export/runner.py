@@ -335,15 +335,22 @@ class Runner:
                 generator: torch.Generator | None) -> Iterator[int]:
         self.last_ids = []
         logits = self.forward(prompt_ids)
-        for count in range(1, max_new_tokens + 1):
+        while True:
             token = sample(logits, temperature, top_p, generator)
-            self.last_ids.append(token)
-            if token in stop or count == max_new_tokens:
-                self._unfed = [token]
-                yield token
-                return
+            last = self._chosen(token, stop, max_new_tokens)
             yield token
+            if last:
+                return
             logits = self.forward([token])
+
+    def _chosen(self, token: int, stop: set[int], max_new_tokens: int) -> bool:
+        """Record `token`, sampled from the program's logits, as generated; True when it ends the generation (a
+        stop token, or the `max_new_tokens`-th), and then it is the one token the program has not been fed yet."""
+        self.last_ids.append(token)
+        if token in stop or len(self.last_ids) == max_new_tokens:
+            self._unfed = [token]
+            return True
+        return False
 
     def _speculate(self, prompt_ids: list[int], max_new_tokens: int, stop: set[int], temperature: float, top_p: float,
                    generator: torch.Generator | None, drafter: Drafter, max_draft: int) -> Iterator[int]:
@@ -355,14 +362,12 @@ class Runner:
         token = sample(self.forward(prompt_ids), temperature, top_p, generator)
         drafter.start(prompt_ids)
         while True:
-            self.last_ids.append(token)
             history.append(token)
             stats.tokens += 1
-            if token in stop or len(self.last_ids) == max_new_tokens:
-                self._unfed = [token]
-                yield token
-                return
+            last = self._chosen(token, stop, max_new_tokens)
             yield token
+            if last:
+                return
             limit = min(max_draft, max_new_tokens - len(self.last_ids))
             draft, draft_probs = drafter.propose(history, limit)
             stats.calls += 1
