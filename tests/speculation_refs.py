@@ -63,4 +63,6 @@ def check_greedy_with_speculation(runner: etblocks.Runner, original: torch.nn.Mo
         assert 0 < stats.accepted < stats.drafted and stats.tokens_per_call > 1.5, (where, stats)
         wrong = Oracle(prompt, expected, all_wrong=True)
         assert runner.generate(prompt, new_tokens, speculate=wrong, max_draft=MAX_DRAFT) == expected, where
-        assert runner.last_speculation.accepted == 0 and runner.last_speculation.drafted > 0, where
+        stats = runner.last_speculation
+        assert stats.accepted == 0 and stats.drafted > 0, where
+        assert stats.verify_calls < new_tokens // 4, (where, stats)  # backed off: not a check every step

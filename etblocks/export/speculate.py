@@ -28,6 +28,7 @@ SPECULATE_MODES = ("prompt_lookup", "draft")
 VERIFY_METHOD = "verify"
 MAX_VERIFY_METHOD = "get_max_verify_len"
 MAX_NGRAM = 3  # the longest suffix prompt lookup matches
+MAX_LOOKUP_PAUSE = 16  # the longest back-off of a proposer function after proposals with nothing kept (steps)
 # A draft model exported into the target's file (`export(..., draft=...)`): its methods and constants, this prefix
 # before their names (`draft_forward`, `draft_verify`, `draft_get_max_seq_len`, ...).
 DRAFT_PREFIX = "draft_"
@@ -72,19 +73,33 @@ class Drafter(Protocol):
 
 
 class LookupDrafter:
-    """A `Drafter` from a proposer function, stateless between proposals (prompt lookup, or the caller's own)."""
+    """A `Drafter` from a proposer function (prompt lookup, or the caller's own) that backs off when it is wrong.
+
+    A checking call costs more than a one-token step (the verify call-cost table in docs/speculation.md), so a
+    proposal with nothing kept is a loss. After one, the proposer is not asked for the next `pause` steps, and each
+    further all-wrong proposal in a row doubles the pause, up to `MAX_LOOKUP_PAUSE` steps; a proposal with any token
+    kept ends the back-off. Proposals that are never right then cost one rejected check every `MAX_LOOKUP_PAUSE + 1`
+    steps instead of one every step. The output is the same either way."""
 
     def __init__(self, propose: Proposer) -> None:
         self._propose = propose
+        self._skip = 0  # steps left in the current pause
+        self._pause = 1  # the next pause, in steps
 
     def start(self, prompt_ids: list[int]) -> None:
-        pass
+        self._skip, self._pause = 0, 1
 
     def propose(self, history: Sequence[int], limit: int) -> tuple[list[int], None]:
+        if self._skip:
+            self._skip -= 1
+            return [], None
         return [int(t) for t in self._propose(history, limit)][:limit], None
 
     def kept(self, n: int) -> None:
-        pass
+        if n:
+            self._pause = 1
+        else:
+            self._skip, self._pause = self._pause, min(2 * self._pause, MAX_LOOKUP_PAUSE)
 
 
 def check_max_draft(max_draft: int) -> None:

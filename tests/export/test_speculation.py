@@ -14,7 +14,7 @@ from speculation_refs import MAX_DRAFT, NEW_TOKENS, PROMPTS, check_greedy_with_s
 
 import etblocks
 from etblocks.errors import ConfigError
-from etblocks.export.speculate import accept, check_max_draft, lookup_drafter, prompt_lookup
+from etblocks.export.speculate import MAX_LOOKUP_PAUSE, accept, check_max_draft, lookup_drafter, prompt_lookup
 
 CONTEXT = 160
 VARIANTS = {"mistral_int8kv": ("mistral", dict(kv_quantize="int8"))}  # program name -> (family, swap options)
@@ -282,6 +282,32 @@ def test_prompt_lookup_is_its_definition_on_random_sequences():
         history = generator.integers(0, 4, size=int(generator.integers(1, 40))).tolist()
         limit = int(generator.integers(1, 6))
         assert prompt_lookup(history, limit) == defined(history, limit), history
+
+
+def asked_steps(drafter, steps: int, kept_at: dict[int, int]) -> list[int]:
+    """The steps at which `drafter` asks its proposer, driven as the runner drives it: a proposal each step, and
+    `kept(n)` after each non-empty one (`kept_at[step]` tokens, else none)."""
+    asked = []
+    drafter.start([1, 2, 3])
+    for step in range(steps):
+        draft, _ = drafter.propose([1, 2, 3], 4)
+        if draft:
+            asked.append(step)
+            drafter.kept(kept_at.get(step, 0))
+    return asked
+
+
+def test_lookup_backs_off_after_proposals_with_nothing_kept():
+    """All-wrong proposals: pauses of 1, 2, 4, 8 steps, then 16 (the cap) for good; a proposal with a token kept
+    ends the back-off; a new generation starts without one."""
+    assert MAX_LOOKUP_PAUSE == 16
+    drafter = lookup_drafter(lambda history, limit: [9] * limit)
+    assert asked_steps(drafter, 80, {}) == [0, 2, 5, 10, 19, 36, 53, 70]
+    # kept at step 2: the next miss (step 3) pauses 1 step again, not 4
+    assert asked_steps(drafter, 12, {2: 1}) == [0, 2, 3, 5, 8]
+    assert asked_steps(drafter, 3, {}) == [0, 2]  # start() forgot the last run's pause
+    nothing = lookup_drafter(lambda history, limit: [])
+    assert asked_steps(nothing, 5, {}) == []
 
 
 def test_bad_speculation_options_are_refused():
