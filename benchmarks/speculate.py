@@ -12,11 +12,11 @@ the model was trained (copied spans), and (ii) non-repeating (no copied spans). 
 
 Rows: (a) plain greedy decoding; (b) prompt lookup (`speculate="prompt_lookup"`); (c) the draft model
 (`speculate="draft"`); (d) the worst case: proposals that are always wrong (each is the reference's token +
-1), so every call checks `--max-draft` tokens and keeps none. Decode tok/s of a set: its prompts' tokens after the
-first / the seconds from each first token to its last (the target's and the draft's prefill are left out), timed
-in a fresh process that loads the program (torch's MKL on one thread there, as `harness.in_fresh_process` sets
-it), rows rotated from round to round; medians [min-max] of `--rounds`;
-speed-up: the median of per-round ratios to (a). Acceptance: proposed tokens kept / proposed; tokens per call:
+1), so every check keeps none and the runner's back-off (`LookupDrafter`) asks for proposals ever more rarely.
+Decode tok/s of a set: its prompts' tokens after the first / the seconds from each first token to its last (the
+target's and the draft's prefill are left out), timed in a fresh process that loads the program (torch's MKL on
+one thread there, as `harness.in_fresh_process` sets it), rows rotated from round to round; medians [min-max] of
+`--rounds`; speed-up: the median of per-round ratios to (a). Acceptance: proposed tokens kept / proposed; tokens per call:
 generated tokens / program calls after the prompt's.
 
 Call cost: one call's time by the tokens it takes (`forward` with 1, `verify` with 1 .. max_draft + 1), relative
