@@ -16,8 +16,8 @@ Rows: (a) plain greedy decoding; (b) prompt lookup (`speculate="prompt_lookup"`)
 Decode tok/s of a set: its prompts' tokens after the first / the seconds from each first token to its last (the
 target's and the draft's prefill are left out), timed in a fresh process that loads the program (torch's MKL on
 one thread there, as `harness.in_fresh_process` sets it), rows rotated from round to round; medians [min-max] of
-`--rounds`; speed-up: the median of per-round ratios to (a). Acceptance: proposed tokens kept / proposed; tokens per call:
-generated tokens / program calls after the prompt's.
+`--rounds`; speed-up: the median of per-round ratios to (a). Acceptance: proposed tokens kept / proposed; tokens per
+call: generated tokens / program calls after the prompt's.
 
 Call cost: one call's time by the tokens it takes (`forward` with 1, `verify` with 1 .. max_draft + 1), relative
 to `forward` with one, for the trained model and (`--cost-shape`) the SmolLM2-135M shape with random weights, which
