@@ -318,8 +318,6 @@ class TokensPosDriver(RebuiltWhenPickled):
         return self._step([token], pos)
 
 
-
-
 class EagerDriver(RebuiltWhenPickled):
     """The transformers model in eager PyTorch with its default cache (a reference row, nothing exported),
     `build_model(bench)`."""
@@ -901,8 +899,6 @@ def describe_run(title: str, bench: Bench, bandwidths: list[float], model: str |
         f"sampled every round) / {weight_bytes / 1e6:.1f} MB "
         f"fp32 weights per token (linears + lm_head) = {roofline_tps:.1f} tok/s\n",
     ])
-
-
 
 
 def add_run_args(parser: argparse.ArgumentParser, script: str, smoke: Mapping[str, Any]) -> None:

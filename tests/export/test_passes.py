@@ -136,7 +136,6 @@ def test_dedupe_views_merges_repeated_views_only():
         torch.testing.assert_close(got, want)
 
 
-
 class WeightViews(torch.nn.Module):
     """Reads `split` only through views, slices and a transpose (as MLA reads kv_b_proj.weight), `shared` through
     a transpose and directly, and the buffer `table` through a transpose."""

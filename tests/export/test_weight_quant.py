@@ -278,7 +278,6 @@ def test_bad_options_raise_before_any_work(base, tmp_path, options, expected):
     assert all(p is parameters[name][0] and torch.equal(p, parameters[name][1]) for name, p in model.named_parameters())
 
 
-
 @pytest.mark.slow
 def test_runner_in_a_fresh_process_runs_the_int8_embedding(programs):
     """The runtime gets the `embedding_byte` kernel from `Runner` itself, not from an export done earlier."""
