@@ -107,9 +107,9 @@ class Attention(nn.Module):
         self.qk_norm_after_rope = qk_norm_after_rope
         self.rope = rope
         self.interleaved = rope is not None and rope.interleaved if interleaved is None else interleaved
-        # Interleaved pairs rotate through a constant linear map; rotate-half through slices and a concat. On XNNPACK
-        # those slices run on CPU between two delegates, which decoded and prefilled faster than the same rotation
-        # as a [Dh, Dh] linear inside one delegate (SmolLM2's shape, fp32 and 8da4w).
+        # Interleaved pairs rotate through a constant linear map; rotate-half through slices and a concat (as SHA
+        # does). In XNNPACK programs of dynamic length those slices run on CPU, and still decoded and prefilled faster
+        # than the same rotation as a [Dh, Dh] linear inside the delegate (SmolLM2's shape, fp32 and 8da4w).
         rotation = rotation_matrix(head_dim, interleaved=True) if self.interleaved else None
         self.register_buffer("rotation", rotation, persistent=False)
         self.sdpa = sdpa
