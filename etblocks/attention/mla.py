@@ -178,8 +178,11 @@ class MLAttention(nn.Module):
         k_rope = k_rope.reshape(bsz, -1, self.qk_rope_head_dim)
         q_latent = torch.bmm(q_nope.reshape(-1, heads, self.qk_nope_head_dim).transpose(0, 1), self.w_uk)  # [H, B*T, r]
         q_latent = q_latent.transpose(0, 1).reshape(bsz, -1, rank)  # [B, T*H, r], rows (t, h)
-        scores = torch.bmm(q_latent, latent.transpose(1, 2))
-        scores = scores + torch.bmm(q_rope.reshape(bsz, -1, self.qk_rope_head_dim), k_rope.transpose(1, 2))
+        q_rope = q_rope.reshape(bsz, -1, self.qk_rope_head_dim)
+        # The cache as the left operand, read in place: as the right one it would be transposed and packed anew on
+        # every call (XNNPACK packs a bmm's right operand when it arrives at run time); the small query is.
+        scores = torch.bmm(latent, q_latent.transpose(1, 2)) + torch.bmm(k_rope, q_rope.transpose(1, 2))
+        scores = scores.transpose(1, 2)  # [B, T*H, S]
         keys = scores.shape[-1]
         if mask.dtype == torch.bool:  # additive on the small [T, S] table: the add on the scores stays delegable
             mask = torch.where(mask, 0.0, float("-inf"))
