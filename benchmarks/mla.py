@@ -41,6 +41,7 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     aligned_table,
     check_tokens,
     finish,
+    in_fresh_process,
     parse_with_smoke,
     spread,
     spread_record,
@@ -92,17 +93,19 @@ def weights_sliced_per_call():
         passes.fold_weight_views = fold
 
 
-class ExportedRow:
-    def __init__(self, model, absorb: bool, max_seq_len: int, out: Path, fold: bool = True) -> None:
-        etblocks.swap(model, backend="xnnpack", max_seq_len=max_seq_len)
-        for block in model.modules():
-            if isinstance(block, MLAttention):
-                block.absorb = absorb
-        start = time.perf_counter()
-        with contextlib.nullcontext() if fold else weights_sliced_per_call():
-            self.result = etblocks.export(model, backend="xnnpack", out=out)
-        self.export_s = time.perf_counter() - start
-        self.runner = etblocks.Runner(self.result.path)
+def export_row(model, absorb: bool, max_seq_len: int, out: Path, fold: bool = True) -> etblocks.ExportResult:
+    """Swap `model` for XNNPACK, set `absorb` on its MLA blocks, export it to `out`."""
+    etblocks.swap(model, backend="xnnpack", max_seq_len=max_seq_len)
+    for block in model.modules():
+        if isinstance(block, MLAttention):
+            block.absorb = absorb
+    with contextlib.nullcontext() if fold else weights_sliced_per_call():
+        return etblocks.export(model, backend="xnnpack", out=out)
+
+
+class ProgramRow:
+    def __init__(self, path: Path) -> None:
+        self.runner = etblocks.Runner(path)
 
     def time_decode(self, prompt: list[int], steps: int) -> tuple[float, list[int]]:
         """Prefill, then `steps` timed greedy steps: the median seconds per step and the greedy tokens (the
@@ -133,6 +136,28 @@ class EagerRow:
             cache = out.past_key_values
             tokens.append(int(out.logits[0, -1].argmax()))
         return statistics.median(times), tokens
+
+
+def time_rows(programs: dict[tuple[str, int], Path], model_args: tuple[int, int], prompts: dict[int, list[int]],
+              references: dict[int, list[int]], steps: int, rounds: int):
+    """The rows, in a fresh process as the other benchmarks time theirs (`harness.in_fresh_process`: programs
+    loaded anew, MKL on one thread). Every row's greedy tokens are checked first, untimed: a program made with
+    `absorb` set after the swap's probe is timed only once they equal transformers'. The eager row's model is
+    built anew from `small_model(*model_args)` (seeded; its tokens are checked as the programs' are). Returns the
+    checks, the tokens and the per-round ms by (row, context)."""
+    base = small_model(*model_args)
+    rows = {key: ProgramRow(path) for key, path in programs.items()} | {("c", c): EagerRow(base) for c in prompts}
+    checks, tokens = [], {}
+    for (key, c), row in list(rows.items()):
+        _, tokens[key, c] = row.time_decode(prompts[c], steps)
+        checks.append(check_tokens(f"{key}@{c}", tokens[key, c], references[c], "transformers"))
+        if not checks[-1].ok:
+            del rows[key, c]
+    samples = {key: [] for key in rows}
+    for _ in range(rounds):
+        for (key, c), row in rows.items():
+            samples[key, c].append(1e3 * row.time_decode(prompts[c], steps)[0])
+    return checks, tokens, samples
 
 
 @torch.no_grad()
@@ -170,7 +195,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # Each exported program's cache holds exactly the context plus the timed steps: a static cache is attended
     # (absorbed) or expanded (non-absorbed) over all its rows, so its length is the context being measured.
-    base = small_model(args.layers, max_positions=max(contexts) + args.steps + 1)
+    max_positions = max(contexts) + args.steps + 1
+    base = small_model(args.layers, max_positions)
     vocab = base.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     prompts = {c: torch.randint(3, vocab, (c,), generator=generator).tolist() for c in contexts}
@@ -183,25 +209,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     samples: dict[str, dict[int, list[float]]] = {key: {c: [] for c in contexts} for key in names}
     tokens: dict[str, dict[int, list[int]]] = {key: {} for key in names}
     with tempfile.TemporaryDirectory() as tmp:
-        rows = {}
+        exported = {}
         for key, (name, absorb, fold) in paths.items():
             for c in contexts:
                 try:
-                    rows[key, c] = ExportedRow(copy.deepcopy(base), absorb, c + args.steps + 1,
-                                               Path(tmp) / f"{key}_{c}.pte", fold)
+                    exported[key, c] = export_row(copy.deepcopy(base), absorb, c + args.steps + 1,
+                                                  Path(tmp) / f"{key}_{c}.pte", fold)
                 except Exception as e:  # one broken row must not hide the others
                     checks.fail(f"({key}) {name}, context {c}: export failed: {type(e).__name__}: {e}")
-        pte_mb = {key: row.result.size_mb for key, row in rows.items()}
-        rows.update({("c", c): EagerRow(base) for c in contexts})
-        # The check, untimed, before any timing: a program made with `absorb` set after the swap's probe is timed
-        # only once its greedy tokens equal transformers'.
-        for (key, c), row in list(rows.items()):
-            _, tokens[key][c] = row.time_decode(prompts[c], args.steps)
-            if not checks.add(check_tokens(f"{key}@{c}", tokens[key][c], references[c], "transformers")).ok:
-                del rows[key, c]
-        for _ in range(args.rounds):
-            for (key, c), row in rows.items():
-                samples[key][c].append(1e3 * row.time_decode(prompts[c], args.steps)[0])
+        pte_mb = {key: result.size_mb for key, result in exported.items()}
+        programs = {key: result.path for key, result in exported.items()}
+        row_checks, row_tokens, row_samples = in_fresh_process(
+            time_rows, programs, (args.layers, max_positions), prompts, references, args.steps, args.rounds)
+    for check in row_checks:
+        checks.add(check)
+    for (key, c), found in row_tokens.items():
+        tokens[key][c] = found
+    for (key, c), found in row_samples.items():
+        samples[key][c] = found
 
     medians = {key: {c: statistics.median(v) if v else None for c, v in per.items()} for key, per in samples.items()}
     first, last = contexts[0], contexts[-1]
