@@ -10,8 +10,8 @@ exactly the context plus the timed steps, (c) transformers eager, and (d) row (a
 The .pte sizes of the exported rows go in the results too. Every row's greedy tokens (prefill, then `--steps`
 steps) must equal transformers' `generate()` before the row is timed: rows (a), (b) and (d) set `absorb` on the
 swapped blocks after the swap's probe, so their programs are checked here, and a row that disagrees is not timed
-and the script exits 1. Rows are timed in `--rounds` interleaved rounds; cells are medians [min-max] of the rounds.
-Results: benchmarks/results/mla.json.
+and the script exits 1. Rows are timed in a fresh process (`harness.in_fresh_process`), in `--rounds` interleaved
+rounds; cells are medians [min-max] of the rounds. Results: benchmarks/results/mla.json.
 
     python benchmarks/mla.py            # 4 layers, contexts 64, 256, 1024
     python benchmarks/mla.py --smoke    # 1 layer, context 16, 1 round
@@ -140,7 +140,7 @@ class EagerRow:
 
 def time_rows(programs: dict[tuple[str, int], Path], model_args: tuple[int, int], prompts: dict[int, list[int]],
               references: dict[int, list[int]], steps: int, rounds: int):
-    """The rows, in a fresh process as the other benchmarks time theirs (`harness.in_fresh_process`: programs
+    """The rows, in a fresh process as decode.py and quant.py time theirs (`harness.in_fresh_process`: programs
     loaded anew, MKL on one thread). Every row's greedy tokens are checked first, untimed: a program made with
     `absorb` set after the swap's probe is timed only once they equal transformers'. The eager row's model is
     built anew from `small_model(*model_args)` (seeded; its tokens are checked as the programs' are). Returns the

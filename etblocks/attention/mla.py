@@ -170,8 +170,8 @@ class MLAttention(nn.Module):
         """`q_nope [B, T, H, nope]`, `q_rope [B, T, H, R]` over `latent [B, S, 1, r]`, `k_rope [B, S, 1, R]`
         with `mask [T, S]` (boolean or additive) -> `[B, T, H*v]`, never expanding the cache.
 
-        All heads read the one latent "head", so scores are one `[B, T*H, S]` bmm per part (MQA-like); the
-        head-wise absorptions are bmm's over H. Only 3-D matmuls, reshaped with an inferred T.
+        All heads read the one latent "head", so scores are one `[B, S, T*H]` bmm per part (MQA-like), then
+        transposed; the head-wise absorptions are bmm's over H. Only 3-D matmuls, reshaped with an inferred T.
         """
         bsz, heads, rank = q_nope.shape[0], self.n_heads, self.kv_lora_rank
         latent = latent.reshape(bsz, -1, rank)
