@@ -8,8 +8,8 @@ export: LoRA slots and a `set_adapter` method, one .ptd per adapter); merged A a
 `Runner.set_adapter(A | B | None)`, and the base-only and merged programs', against `PeftModel.generate` with that
 adapter (a disagreement exits 1; a wrong slot program stops the run before anything is timed); 2. file sizes;
 3. resident memory and 4. switch and load times, each in a fresh child process; 5. decode and prefill tok/s of
-base-only, slots with None and with A, merged A, in `--rounds` interleaved rounds (medians [min-max], ratios to
-base-only as medians of per-round ratios), whose tokens are checked against PEFT too. Results:
+base-only, slots with None and with A, merged A, in `--rounds` interleaved rounds in a fresh process (medians
+[min-max], ratios to base-only as medians of per-round ratios), whose tokens are checked against PEFT too. Results:
 benchmarks/results/lora.json.
 
     python benchmarks/lora.py            # 30 layers
@@ -49,6 +49,7 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     build_hf_model,
     check_tokens,
     finish,
+    in_fresh_process,
     matching_prefix,
     paired_median,
     parse_with_smoke,
@@ -95,11 +96,11 @@ def log(message: str) -> None:
 
 @dataclass
 class Program:
-    """One row of the decode table: a loaded program (the slot program serves two rows) and its timings."""
+    """One row of the decode table: a program (the slot program serves two rows) and its timings."""
 
     key: str
     label: str
-    runner: Any  # etblocks.Runner
+    path: Path  # the program, loaded where it is timed (`time_programs`)
     adapter: str | None = None  # for the slot rows: set before every round
     switch: bool = False
     pte_mb: float | None = None
@@ -127,6 +128,35 @@ class RunnerDriver:
     def decode(self, token: int, pos: int) -> int:
         assert pos == self.runner.pos, (pos, self.runner.pos)
         return argmax_last(self.runner.forward([token]))
+
+
+def time_programs(programs: list[Program], adapters: dict[str, Path], bench: Bench) -> list[Program]:
+    """Section 5 in a fresh process, as decode.py times (`harness.in_fresh_process`: programs loaded anew, MKL on
+    one thread): each program loaded once (the slot program with `adapters`, serving its two rows), warmed, then
+    `bench.rounds` interleaved rounds; returns `programs` with their timings and tokens."""
+    import etblocks
+
+    runners = {}
+    for p in programs:
+        if p.path not in runners:
+            runners[p.path] = etblocks.Runner(p.path, adapters=adapters if p.switch else None)
+    for p in programs:
+        if p.switch:
+            runners[p.path].set_adapter(p.adapter)
+        warm_up(RunnerDriver(runners[p.path]), bench)
+    for r in range(bench.rounds):
+        for p in programs:
+            if p.switch:
+                runners[p.path].set_adapter(p.adapter)
+            prefill_tps, decode_tps, tokens = time_round(RunnerDriver(runners[p.path]), bench)
+            if p.tokens and tokens != p.tokens:
+                raise RuntimeError(f"[lora bench] ABORT: ({p.key}) greedy tokens differ between rounds")
+            p.tokens = tokens
+            p.decode_runs.append(decode_tps)
+            p.prefill_runs.append(prefill_tps)
+            log(f"round {r + 1}/{bench.rounds} ({p.key}): decode {decode_tps:.1f} tok/s, "
+                f"prefill {prefill_tps:.0f} tok/s")
+    return programs
 
 
 # --------------------------------------------------------------------------------------------------
@@ -560,32 +590,17 @@ def run(args: argparse.Namespace, shape: Shape, bench: Bench, started: float) ->
                                             "programs": {n: str(r.path) for n, (r, _) in merged.items()}})
 
     # 5. decode speed
-    slots = etblocks.Runner(slot_result.path, adapters=slot_result.adapters)
     merged_a, merged_a_s = merged["A"]
     programs = [
-        Program("a", "base-only program", etblocks.Runner(base_result.path), pte_mb=base_result.size_mb,
-                export_s=base_s, reference=None),
-        Program("b", "slot program, set_adapter(None)", slots, None, True, slot_result.size_mb, slot_s, reference=None),
-        Program("c", "slot program, set_adapter('A')", slots, "A", True, slot_result.size_mb, slot_s, reference="A"),
-        Program("d", "merged A program (one per adapter)", etblocks.Runner(merged_a.path), pte_mb=merged_a.size_mb,
+        Program("a", "base-only program", base_result.path, pte_mb=base_result.size_mb, export_s=base_s, reference=None),
+        Program("b", "slot program, set_adapter(None)", slot_result.path, None, True, slot_result.size_mb, slot_s,
+                reference=None),
+        Program("c", "slot program, set_adapter('A')", slot_result.path, "A", True, slot_result.size_mb, slot_s,
+                reference="A"),
+        Program("d", "merged A program (one per adapter)", merged_a.path, pte_mb=merged_a.size_mb,
                 export_s=merged_a_s, reference="A"),
     ]
-    for p in programs:
-        if p.switch:
-            p.runner.set_adapter(p.adapter)
-        warm_up(RunnerDriver(p.runner), bench)
-    for r in range(bench.rounds):
-        for p in programs:
-            if p.switch:
-                p.runner.set_adapter(p.adapter)
-            prefill_tps, decode_tps, tokens = time_round(RunnerDriver(p.runner), bench)
-            if p.tokens and tokens != p.tokens:
-                raise SystemExit(f"[lora bench] ABORT: ({p.key}) greedy tokens differ between rounds")
-            p.tokens = tokens
-            p.decode_runs.append(decode_tps)
-            p.prefill_runs.append(prefill_tps)
-            log(f"round {r + 1}/{bench.rounds} ({p.key}): decode {decode_tps:.1f} tok/s, "
-                f"prefill {prefill_tps:.0f} tok/s")
+    programs = in_fresh_process(time_programs, programs, slot_result.adapters, bench)
     delegations = [("base-only forward", str(base_result.delegations["forward"])),
                    ("slot program forward", str(slot_result.delegations["forward"])),
                    ("slot program set_adapter", str(slot_result.delegations["set_adapter"]))]
