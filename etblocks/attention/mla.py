@@ -180,7 +180,7 @@ class MLAttention(nn.Module):
         q_latent = q_latent.transpose(0, 1).reshape(bsz, -1, rank)  # [B, T*H, r], rows (t, h)
         q_rope = q_rope.reshape(bsz, -1, self.qk_rope_head_dim)
         # The cache as the left operand, read in place: as the right one it would be transposed and packed anew on
-        # every call (XNNPACK packs a bmm's right operand when it arrives at run time); the small query is.
+        # every call (XNNPACK packs a bmm's right operand when it arrives at run time); now the small query is packed.
         scores = torch.bmm(latent, q_latent.transpose(1, 2)) + torch.bmm(k_rope, q_rope.transpose(1, 2))
         scores = scores.transpose(1, 2)  # [B, T*H, S]
         keys = scores.shape[-1]
