@@ -1073,6 +1073,28 @@ def check_members(row: str, values: Sequence[int], allowed: Iterable[int], refer
     return Check(row, reference_label, len(values), matching, len(values), first, values, [], note)
 
 
+@torch.no_grad()
+def check_ranks(row: str, tokens: Sequence[int], model: torch.nn.Module, prompt: Sequence[int], top_k: int,
+                reference_label: str = "eager", note: str = "") -> Check:
+    """Every greedy token of a row must be among `model`'s `top_k` at its position, the model fed the prompt and
+    the row's own earlier tokens (teacher-forced). For a quantized row against an eager model quantized the same
+    way: their roundings differ, so on random weights' flat logits the free-running tokens part early, while a
+    broken program picks tokens the model ranks far down. `expected` holds the model's top-1 at each position,
+    `note` the ranks. `ETBLOCKS_BENCH_BREAK_ROW` corrupts the first token."""
+    tokens = [int(t) for t in tokens]
+    if row in broken_rows() and tokens:
+        tokens[0] = -1 - tokens[0]
+    ids = torch.tensor([list(prompt) + [max(t, 0) for t in tokens[:-1]]])
+    logits = model(ids, attention_mask=torch.ones_like(ids)).logits[0, len(prompt) - 1:]
+    vocab = logits.shape[-1]
+    ranks = [int((step > step[t]).sum()) if 0 <= t < vocab else vocab for step, t in zip(logits, tokens)]
+    first = next((i for i, rank in enumerate(ranks) if rank >= top_k), None)
+    matching = len(tokens) if first is None else first
+    ranks_note = f"ranks in the {reference_label} model's logits {ranks}, each must be < {top_k}"
+    return Check(row, reference_label, len(tokens), matching, len(tokens), first, tokens,
+                 logits.argmax(-1).tolist(), "; ".join(filter(None, [note, ranks_note])))
+
+
 class Checks:
     """The checks of one run: `add` them, `report` prints the failures, `ok` decides the exit code."""
 

@@ -138,6 +138,27 @@ def test_token_check_and_its_break_switch(monkeypatch):
     assert not checks.ok and "(a) vs eager: first differing index 0" in checks.report()
 
 
+def test_rank_check_takes_near_ties_and_refuses_tokens_ranked_far_down(monkeypatch, tmp_path):
+    """`check_ranks` (decode_profile.py's check of quantized rows): the model's greedy tokens pass; a third-ranked
+    token passes with top_k=3 and fails at its index with top_k=2; the break switch fails the first token."""
+    harness = benchmark_module("harness")
+    monkeypatch.delenv(harness.BREAK_ROW_ENV, raising=False)
+    bench = tiny_bench(tmp_path)
+    model = harness.build_hf_model(bench)
+    with torch.no_grad():
+        greedy = model.generate(torch.tensor([bench.prompt]), max_new_tokens=4, do_sample=False)[0, 12:].tolist()
+        order = model(torch.tensor([bench.prompt + greedy[:2]])).logits[0, -1].argsort(descending=True).tolist()
+    assert harness.check_ranks("a", greedy, model, bench.prompt, 1).ok
+    third = [*greedy[:2], order[2]]
+    assert harness.check_ranks("a", third, model, bench.prompt, 3).ok
+    refused = harness.check_ranks("a", third, model, bench.prompt, 2)
+    assert (refused.ok, refused.matching, refused.first_difference) == (False, 2, 2)
+    assert refused.expected[:3] == [*greedy[:2], order[0]] and "[0, 0, 2]" in refused.note
+    monkeypatch.setenv(harness.BREAK_ROW_ENV, "a")
+    broken = harness.check_ranks("a", greedy, model, bench.prompt, 5)
+    assert (broken.ok, broken.first_difference) == (False, 0)
+
+
 def test_kv_sharing_report_counts_the_caches_of_each_program(tmp_path):
     """The memory report (no outputs to compare): its smoke run writes, per E2B-shaped decoder and program, one K/V
     pair per source layer (Gemma 3n E2B: 20 of 30 layers, Gemma 4 E2B: 15 of 35) against one per layer."""
