@@ -6,10 +6,11 @@ with `quantize_weights="8da4w"`), (b) ExecuTorch's llama example as export_llama
 [min-max], roofline from the bytes a step reads); each of a row's greedy tokens must be among the `--top-k` of
 the transformers model, its weights quantized as the row quantizes them (`harness.quantized_reference`: etblocks'
 torchao configs for (a), ExecuTorch's `quantize()` for (b)) and fed the row's earlier tokens (`harness.check_ranks`),
-or the script exits 1. Then each program runs `--profile-steps` decode steps with ETDump, in a fresh process of its own as the
-timed rounds do, and the mean step is split into XNNPACK operators, delegate call overhead, CPU operators, the rest
-of `Method::execute`, and Python. Profiling adds time to every event it records, so the split overstates the small
-per-call items; step_breakdown.py times the parts unprofiled. Results: benchmarks/results/decode_profile.json.
+or the script exits 1. Then each program runs `--profile-steps` decode steps with ETDump, in a fresh process of its
+own as the timed rounds do, and the mean step is split into XNNPACK operators, delegate call overhead, CPU
+operators, the rest of `Method::execute`, and Python. Profiling adds time to every event it records, so the split
+overstates the small per-call items; step_breakdown.py times the parts unprofiled. Results:
+benchmarks/results/decode_profile.json.
 
     python benchmarks/decode_profile.py            # 30 layers
     python benchmarks/decode_profile.py --smoke    # 1 layer, 1 round, 2 profiled steps
