@@ -41,6 +41,7 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     argument_parser,
     build_hf_model,
     bytes_per_token,
+    check_each_row,
     check_ranks,
     describe_run,
     eager_reference_tokens,
@@ -189,11 +190,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(table)
         print(note)
         checks = Checks()
-        for row in rows:
-            if row.status.startswith("failed"):
-                checks.fail(f"({row.key}) {row.name}: {row.status}")
-            elif row.status == "ok":
-                checks.add(check_ranks(row.key, row.tokens, models[row.key], bench.prompt, args.top_k))
+        check_each_row(checks, rows, lambda row: check_ranks(row.key, row.tokens, models[row.key], bench.prompt,
+                                                             args.top_k))
         profiles = {row.key: in_fresh_process(profile_decode, bench.out_dir / FILES[row.key], bench,
                                               args.profile_steps) for row in rows if row.status == "ok"}
         profile_title = (f"ETDump of {args.profile_steps} decode steps (after the prompt and {args.profile_steps} "

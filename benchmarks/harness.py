@@ -1131,16 +1131,24 @@ def check_rows(checks: Checks, rows: Sequence[Row], reference: Sequence[int] | M
                strict_failures: bool = True) -> None:
     """Add a token check for every timed row (`reference`: one list or one per row key; `required`: leading tokens
     a row must match, all by default); a failed row is a failure when `strict_failures` (an unavailable one never)."""
+    def compare(row: Row) -> Check:
+        expected = reference[row.key] if isinstance(reference, Mapping) else reference
+        return check_tokens(row.key, row.tokens, expected, reference_label, (required or {}).get(row.key),
+                            (notes or {}).get(row.key, ""))
+
+    check_each_row(checks, rows, compare, strict_failures)
+
+
+def check_each_row(checks: Checks, rows: Sequence[Row], compare: Callable[[Row], Check],
+                   strict_failures: bool = True) -> None:
+    """Add `compare(row)` for every timed row; a failed row is a failure when `strict_failures` (an unavailable one
+    never)."""
     for row in rows:
         if row.status.startswith("failed"):
             if strict_failures:
                 checks.fail(f"({row.key}) {row.name}: {row.status}")
-            continue
-        if row.status != "ok":
-            continue
-        expected = reference[row.key] if isinstance(reference, Mapping) else reference
-        checks.add(check_tokens(row.key, row.tokens, expected, reference_label, (required or {}).get(row.key),
-                                (notes or {}).get(row.key, "")))
+        elif row.status == "ok":
+            checks.add(compare(row))
 
 
 # --------------------------------------------------------------------------------------------------
