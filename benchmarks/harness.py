@@ -1030,13 +1030,20 @@ def broken_rows() -> set[str]:
     return {k.strip() for k in os.environ.get(BREAK_ROW_ENV, "").split(",") if k.strip()}
 
 
+def tokens_as_checked(row: str, tokens: Sequence[int]) -> list[int]:
+    """A row's tokens as its check sees them: with the first made negative (no vocabulary holds one) when
+    `ETBLOCKS_BENCH_BREAK_ROW` names the row."""
+    tokens = [int(t) for t in tokens]
+    if row in broken_rows() and tokens:
+        tokens[0] = -1 - tokens[0]
+    return tokens
+
+
 def check_tokens(row: str, tokens: Sequence[int], reference: Sequence[int], reference_label: str = "reference",
                  required: int | None = None, note: str = "") -> Check:
     """Compare a row's greedy tokens with the reference's, over the reference's length; `required`: how many leading
     tokens must agree (default: all). A row named in `ETBLOCKS_BENCH_BREAK_ROW` has its first token corrupted."""
-    tokens = list(tokens)
-    if row in broken_rows() and tokens:
-        tokens[0] = -1 - tokens[0]  # no vocabulary holds a negative token
+    tokens = tokens_as_checked(row, tokens)
     reference = list(reference)
     matching = matching_prefix(tokens, reference)
     first = None if matching >= len(reference) else matching
@@ -1081,9 +1088,7 @@ def check_ranks(row: str, tokens: Sequence[int], model: torch.nn.Module, prompt:
     way: their roundings differ, so on random weights' flat logits the free-running tokens part early, while a
     broken program picks tokens the model ranks far down. `expected` holds the model's top-1 at each position,
     `note` the ranks. `ETBLOCKS_BENCH_BREAK_ROW` corrupts the first token."""
-    tokens = [int(t) for t in tokens]
-    if row in broken_rows() and tokens:
-        tokens[0] = -1 - tokens[0]
+    tokens = tokens_as_checked(row, tokens)
     ids = torch.tensor([list(prompt) + [max(t, 0) for t in tokens[:-1]]])
     logits = model(ids, attention_mask=torch.ones_like(ids)).logits[0, len(prompt) - 1:]
     vocab = logits.shape[-1]
