@@ -6,7 +6,8 @@ its top-k experts), `dense` (swap(moe="dense"): every expert on every token) and
 (`batched_mm` experts, `TorchExportableModuleForDecoderOnlyLM`). Every program's first greedy tokens must equal
 transformers' `generate()` on the same model before it is timed; one that disagrees is not timed and the script
 exits 1. Decode is a T=1 step at a fixed position after a 16-token prefill, fed a seeded token stream (routing
-changes every step); programs are timed in `--rounds` interleaved rounds; cells are medians [min-max] of each
+changes every step); programs are timed in `--rounds` interleaved rounds in a fresh process
+(`harness.in_fresh_process`: loaded anew from their files, MKL on one thread); cells are medians [min-max] of each
 round's median ms per step, ratios medians of per-round ratios. Ends with PASS/FAIL on the gather strategy's growth
 from the fewest to the most experts (< 1.3x) and what each program leaves on CPU. Results:
 benchmarks/results/moe.json.
@@ -41,6 +42,7 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     aligned_table,
     check_tokens,
     finish,
+    in_fresh_process,
     lower_to_xnnpack,
     matching_prefix,
     paired_median,
@@ -48,6 +50,7 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     pte_megabytes,
     spread,
     spread_record,
+    timing_mkl_threads,
 )
 
 STRATEGIES = ("gather", "dense")
@@ -194,10 +197,10 @@ def prepare(path: str, n_experts: int, base: torch.nn.Module, shape: Shape, prom
     return program
 
 
-def time_round(program: Program, prompt: list[int], stream: list[int], warmup: int) -> float:
+def time_round(driver: TokensPosDriver, prompt: list[int], stream: list[int], warmup: int) -> float:
     """Re-prefill, then T=1 steps at the fixed position `len(prompt)` feeding `stream`; median ms of the timed
     steps (all but the first `warmup`)."""
-    driver, pos = program.driver, len(prompt)
+    pos = len(prompt)
     driver.prefill(prompt)
     times = []
     for token in stream:
@@ -205,6 +208,26 @@ def time_round(program: Program, prompt: list[int], stream: list[int], warmup: i
         driver.decode(token, pos)
         times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times[warmup:])
+
+
+def time_rounds(drivers: dict[tuple[int, str], TokensPosDriver], prompt: list[int], stream: list[int], warmup: int,
+                rounds: int) -> dict[tuple[int, str], list[float] | str]:
+    """Every program in `rounds` interleaved rounds (`time_round`), run by `harness.in_fresh_process` so that the
+    programs are loaded anew, away from the exports; per program its ms per round, or why timing it failed."""
+    results: dict[tuple[int, str], list[float] | str] = {key: [] for key in drivers}
+    for r in range(rounds):
+        for (e, path), driver in drivers.items():
+            if isinstance(results[e, path], str):
+                continue
+            try:
+                results[e, path].append(time_round(driver, prompt, stream, warmup))
+            except Exception as ex:
+                traceback.print_exc()
+                results[e, path] = f"failed while timing: {type(ex).__name__}"
+                continue
+            print(f"[moe bench] round {r + 1}/{rounds}, {e} experts, {path}: {results[e, path][-1]:.2f} ms",
+                  file=sys.stderr, flush=True)
+    return results
 
 
 def paired(a: Program | None, b: Program | None) -> float | None:
@@ -285,20 +308,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                     program.driver = None
             del base
             gc.collect()
-        for r in range(args.rounds):
-            for (e, path), p in programs.items():
-                if p.status != "ok":
-                    continue
-                try:
-                    p.round_ms.append(time_round(p, prompt, stream, args.warmup))
-                except Exception as ex:
-                    traceback.print_exc()
-                    p.status = f"failed while timing: {type(ex).__name__}"
-                    p.round_ms.clear()
-                    checks.fail(f"{e} experts, {path}: {p.status}")
-                    continue
-                print(f"[moe bench] round {r + 1}/{args.rounds}, {e} experts, {path}: {p.round_ms[-1]:.2f} ms",
-                      file=sys.stderr, flush=True)
+        drivers = {key: p.driver for key, p in programs.items() if p.status == "ok"}
+        for p in programs.values():  # this process's loaded programs go before the timing process loads its own
+            p.driver = None
+        gc.collect()
+        for key, result in in_fresh_process(time_rounds, drivers, prompt, stream, args.warmup, args.rounds).items():
+            if isinstance(result, str):
+                programs[key].status = result
+                checks.fail(f"{key[0]} experts, {key[1]}: {result}")
+            else:
+                programs[key].round_ms = result
     finally:
         for p in programs.values():
             p.driver = None
@@ -313,7 +332,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{s.vocab}, fp32, random weights (seed {args.seed}), XNNPACK\nT=1 at position {s.prompt_len} after a "
               f"{s.prompt_len}-token prefill; cells are medians of {args.rounds} interleaved rounds x {args.steps} steps "
               f"({args.warmup} warmup) [min-max]; ratios are medians of per-round ratios; torch {torch.__version__}, "
-              f"{_threadpool_get_thread_count()} ExecuTorch threads\n")
+              f"{_threadpool_get_thread_count()} ExecuTorch threads, timed in a fresh process with MKL on "
+              f"{timing_mkl_threads()} thread(s)\n")
     table = format_table(programs, args.experts)
     print("\n" + header)
     print(table)
