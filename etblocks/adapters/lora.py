@@ -50,18 +50,16 @@ class LoRAWeights(nn.Module):
         return f"rank={self.rank}, scale={self.scale:g}"
 
 
-def right_operand(slot: torch.Tensor) -> torch.Tensor:
-    """A slot in PEFT's layout (`A [r, in]` or `B [out, r]`, i.e. `[N, K]`) as `bmm`'s right operand `[1, K, N]`:
-    a view and a transpose. ExecuTorch runs a view of a buffer as an alias of it (`slot[None]`, an unsqueeze, would
-    copy the slot on every call), and etblocks' XNNPACK lowering reads the transpose in place
-    (`etblocks.backends.xnnpack_bmm`)."""
-    return slot.view(1, *slot.shape).transpose(1, 2)
+def batch_of_one(slot: torch.Tensor) -> torch.Tensor:
+    """`slot` as `[1, *shape]` for `bmm`, by `view`: ExecuTorch runs a view of a buffer as an alias of it, where
+    `slot[None]` (unsqueeze) would copy the whole slot on every call."""
+    return slot.view(1, *slot.shape)
 
 
 class SharedInput:
     """The LoRA layers of a program that read one input tensor (q/k/v, gate/up, a single-head block's per-head
-    parts) and so share one `x @ A^T`: their `slot_a` holds every target's A, one above the other, and each
-    layer's `slot_b` its own B in its target's columns (zeros elsewhere). The first layer called computes the product and
+    parts) and so share one `x @ A^T`: their `slot_a` holds every target's A side by side and each layer's
+    `slot_b` its own B in its target's rows (zeros elsewhere). The first layer called computes the product and
     the others reuse it while their input is that same tensor object and the slot is unchanged: an input
     computed anew is projected anew, so a reuse is never stale. `owner` holds the group's `slot_a` buffer
     (dynamic programs; a static program passes it with every call)."""
@@ -71,11 +69,11 @@ class SharedInput:
         self._last: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor] | None = None
 
     def project(self, x: torch.Tensor, flat: torch.Tensor, slot_a: torch.Tensor) -> torch.Tensor:
-        """`flat @ slot_a^T` (`flat` is `x` as `[1, N, in]`), computed once per input `x` and slot."""
+        """`flat @ slot_a` (`flat` is `x` as `[1, N, in]`), computed once per input `x` and slot."""
         last = self._last
         if last is not None and last[0] is x and last[1] is slot_a and last[2] == slot_a._version:
             return last[3]
-        projected = torch.bmm(flat, right_operand(slot_a))
+        projected = torch.bmm(flat, batch_of_one(slot_a))
         self._last = (x, slot_a, slot_a._version, projected)
         return projected
 
@@ -152,16 +150,16 @@ class LoRALinear(nn.Module):
         return max((weights.rank for weights in self.adapters.values()), default=0)
 
     def add_slot(self, rank: int, owns_a: bool = True) -> None:
-        """Run the LoRA path from zeroed buffers in PEFT's layout, `slot_a [rank, in]` (A) and `slot_b [out, rank]`
-        (scale * B), instead of the named adapters: an exported program keeps them as mutable state that a method
-        fills at run time with any adapter of rank <= `rank` (zero-padded; all zeros is the base model). A layer
-        whose `shared_input` another layer owns (`owns_a=False`) reads that layer's `slot_a`."""
+        """Run the LoRA path from zeroed buffers, `slot_a [in, rank]` (A^T) and `slot_b [rank, out]` (scale *
+        B^T), instead of the named adapters: an exported program keeps them as mutable state that a method fills
+        at run time with any adapter of rank <= `rank` (zero-padded; all zeros is the base model). A layer whose
+        `shared_input` another layer owns (`owns_a=False`) reads that layer's `slot_a`."""
         if self.merged is not None:
             raise ValueError(f"adapter {self.merged!r} is merged into the base; unmerge() before adding a slot")
         dtype = self._base_weight().dtype
         if owns_a:
-            self.register_buffer("slot_a", torch.zeros(rank, self.in_features, dtype=dtype), persistent=False)
-        self.register_buffer("slot_b", torch.zeros(self.out_features, rank, dtype=dtype), persistent=False)
+            self.register_buffer("slot_a", torch.zeros(self.in_features, rank, dtype=dtype), persistent=False)
+        self.register_buffer("slot_b", torch.zeros(rank, self.out_features, dtype=dtype), persistent=False)
 
     def remove_slot(self) -> None:
         self._buffers.pop("slot_a", None)
@@ -189,13 +187,13 @@ class LoRALinear(nn.Module):
             slot_a, slot_b = slots
             flat = x if x.dim() == 3 and x.shape[0] == 1 else x.reshape(1, -1, x.shape[-1])
             shared = self.shared_input
-            projected = torch.bmm(flat, right_operand(slot_a)) if shared is None else shared.project(x, flat, slot_a)
-            delta = torch.bmm(projected, right_operand(slot_b))
+            projected = torch.bmm(flat, batch_of_one(slot_a)) if shared is None else shared.project(x, flat, slot_a)
+            delta = torch.bmm(projected, batch_of_one(slot_b))
             return y + (delta if flat is x else delta.view(y.shape))
         if self.active is None or self.merged is not None:
             return y
         return y + self.adapters[self.active](x)
 
     def extra_repr(self) -> str:
-        slot = f", slot_rank={self.slot_b.shape[1]}" if self.has_slot else ""
+        slot = f", slot_rank={self.slot_b.shape[0]}" if self.has_slot else ""  # a grouped layer may own no slot_a
         return f"adapters={sorted(self.adapters)}, active={self.active!r}, merged={self.merged!r}{slot}"

@@ -12,7 +12,6 @@ called, so `etblocks --help` and a missing optional package cost nothing until t
 from __future__ import annotations
 
 import importlib
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Mapping, Protocol
 
 from etblocks.errors import BackendUnavailableError, ConfigError
@@ -101,11 +100,6 @@ class Backend:
     def partitioners(self, options: Mapping[str, Any]) -> list:
         """The partitioners `to_edge_transform_and_lower` gets (`options` checked by `check_options`)."""
         return []
-
-    def lowering(self) -> AbstractContextManager[None]:
-        """What must hold while ExecuTorch lowers a program to this backend (`etblocks.export` enters it around
-        `to_edge_transform_and_lower`), such as how its delegate serializes an op. Nothing by default."""
-        return nullcontext()
 
     def graph_passes(self) -> list[Callable]:
         """Rewrites of an exported program before lowering: `fn(ExportedProgram) -> number rewritten`."""

@@ -25,11 +25,6 @@ class Xnnpack(Backend):
 
         return [XnnpackPartitioner()]
 
-    def lowering(self):
-        from etblocks.backends.xnnpack_bmm import transposed_operands
-
-        return transposed_operands()  # LoRA slots in PEFT's layout: their transposes read in place
-
     def graph_passes(self) -> list:
         from etblocks.backends.passes import (
             dedupe_views,

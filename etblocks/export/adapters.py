@@ -1,9 +1,8 @@
-"""Adapters switched at run time: every `LoRALinear` computes its LoRA path from a "slot" in PEFT's layout,
-`slot_a = A [r, in]` and `slot_b = scale * B [out, r]`, zero-padded to the largest rank loaded there (all zeros is
-the base model). Layers that read one input (q/k/v, gate/up, a single-head block's heads) share one `slot_a` with
-their targets' A one above the other, so a program computes `x @ A^T` once for them (`SharedInput`): the LoRA path
-of a layer costs two small matmuls with operands that arrive at run time. Programs exported before this layout
-took `A^T` and `B^T`; their slot tables say so (`AdapterTable.layout`) and they still run.
+"""Adapters switched at run time: every `LoRALinear` computes its LoRA path from a "slot", `slot_a = A^T
+[in, r]` and `slot_b = scale * B^T [r, out]`, zero-padded to the largest rank loaded there (all zeros is the
+base model). Layers that read one input (q/k/v, gate/up, a single-head block's heads) share one `slot_a` with
+their targets' A side by side, so a program computes `x @ A^T` once for them (`SharedInput`): the LoRA path of
+a layer costs two small matmuls with operands that arrive at run time, and most of that is per call.
 
 - Dynamic programs keep the slots as mutable buffers that a second method, `set_adapter(*slots)` (in
   `AdapterTable.input_names` order), copies new values into. Both methods share them (`share_mutable_buffers`),
@@ -59,26 +58,14 @@ class AdapterSlot:
         return cls(**{**body, "rows": tuple(body["rows"]) if body["rows"] else None})
 
 
-# `AdapterTable.layout`: the slots as PEFT lays out A and B (`slot_a [R, in]`, `slot_b [out, R]`), or transposed
-# (`slot_a [in, R]`, `slot_b [R, out]`), as programs exported before the layout was recorded take them.
-PEFT_LAYOUT, TRANSPOSED_LAYOUT = "peft", "transposed"
-
-
 @dataclass(frozen=True)
 class AdapterTable:
-    """The program's slots, their dtype and layout. `set_adapter` (and a static program after its other inputs)
-    takes, slot by slot, the group's `slot_a [R, in]` at the group's first slot, then the slot's `slot_b [out, R]`
-    (each transposed in the `transposed` layout): R is the sum of the ranks of the group's targets, each target's
-    A in its own rows."""
+    """The program's slots and their dtype. `set_adapter` (and a static program after its other inputs) takes,
+    slot by slot, the group's `slot_a [in, R]` at the group's first slot, then the slot's `slot_b [R, out]`: R
+    is the sum of the ranks of the group's targets, each target's A in its own columns."""
 
     slots: tuple[AdapterSlot, ...]
     dtype: str
-    layout: str = PEFT_LAYOUT
-
-    def __post_init__(self) -> None:
-        if self.layout not in (PEFT_LAYOUT, TRANSPOSED_LAYOUT):
-            raise ValueError(f"slot layout {self.layout!r} is neither {PEFT_LAYOUT!r} nor {TRANSPOSED_LAYOUT!r}; "
-                             "a program from a newer etblocks? Export it again with this one")
 
     def group_of(self, index: int) -> int:
         """The group of slot `index`: the index of the first slot sharing its `slot_a` (its own if none does)."""
@@ -86,8 +73,8 @@ class AdapterTable:
         return index if group is None else group
 
     def columns(self) -> dict[int, dict[str, tuple[int, int]]]:
-        """Per group (the index of its first slot): `{target: (first row, rank)}` of its `slot_a` (the columns of
-        each `slot_b`); the group's width is `group_rank` of it."""
+        """Per group (the index of its first slot): `{target: (first column, rank)}` of its `slot_a`; the group's
+        width is `group_rank` of it."""
         groups: dict[int, dict[str, tuple[int, int]]] = {}
         for index, slot in enumerate(self.slots):
             columns = groups.setdefault(self.group_of(index), {})
@@ -115,21 +102,19 @@ class AdapterTable:
             columns = groups[self.group_of(index)]
             width = group_rank(columns)
             if self.group_of(index) == index:
-                slot_a = torch.zeros(width, slot.in_features, dtype=dtype)
+                slot_a = torch.zeros(slot.in_features, width, dtype=dtype)
                 for target, (first, _) in columns.items():
                     if target in tensors:
                         lora_A = tensors[target].lora_A
-                        slot_a[first : first + lora_A.shape[0]] = lora_A
+                        slot_a[:, first : first + lora_A.shape[0]] = lora_A.T
                 inputs.append(slot_a)
-            slot_b = torch.zeros(slot.out_features, width, dtype=dtype)
+            slot_b = torch.zeros(width, slot.out_features, dtype=dtype)
             if slot.target in tensors:
                 lora_A, lora_B, factor = tensors[slot.target]
                 lora_B = lora_B if slot.rows is None else lora_B[slot.rows[0] : slot.rows[1]]
                 first = columns[slot.target][0]
-                slot_b[:, first : first + lora_A.shape[0]] = lora_B * (factor * scale)
+                slot_b[first : first + lora_A.shape[0]] = lora_B.T * (factor * scale)
             inputs.append(slot_b)
-        if self.layout == TRANSPOSED_LAYOUT:
-            return [tensor.T.contiguous() for tensor in inputs]
         return inputs
 
     def check(self, tensors: dict[str, LoRATensors]) -> None:
@@ -155,15 +140,12 @@ class AdapterTable:
                 )
 
     def to_json(self) -> str:
-        return json.dumps({"slots": [asdict(slot) for slot in self.slots], "dtype": self.dtype, "layout": self.layout})
+        return json.dumps({"slots": [asdict(slot) for slot in self.slots], "dtype": self.dtype})
 
     @classmethod
     def from_json(cls, text: str) -> AdapterTable:
-        """A table from its JSON; one without `layout` is a program's from before the layout was recorded, whose
-        slots are transposed."""
         body = json.loads(text)
-        slots = tuple(AdapterSlot.from_dict(slot) for slot in body["slots"])
-        return cls(slots, body["dtype"], body.get("layout", TRANSPOSED_LAYOUT))
+        return cls(tuple(AdapterSlot.from_dict(slot) for slot in body["slots"]), body["dtype"])
 
     def as_constant(self) -> torch.Tensor:
         """The JSON as a uint8 tensor: one constant-buffer entry (a list would cost one program value per byte)."""

@@ -11,10 +11,9 @@ A static program has fixed shapes. With caller-owned state ("io") its methods ta
   `k_cache`, `v_cache` (six tensors in int8); MLA keeps its latent as k and the shared roped key as v.
 With in-place state (hybrid partition) the methods take `(tokens int64 [1, T], input_pos int64 [1])` and return
 the last token's logits `[1, V]`, like the dynamic contract at fixed T.
-A program exported with LoRA adapters takes, after those, the slots of the active adapter: `slot_a [R, in]` per
-group of layers sharing an input and `slot_b [out, R]` per entry of `adapters`, in `AdapterTable.input_names`
-order (see `etblocks.export.adapters`; zeros: the base model; transposed in programs whose contract has no
-`slot_layout`, from before it was recorded).
+A program exported with LoRA adapters takes, after those, the slots of the active adapter: `slot_a [in, R]` per
+group of layers sharing an input and `slot_b [R, out]` per entry of `adapters`, in `AdapterTable.input_names`
+order (see `etblocks.export.adapters`; zeros: the base model).
 
 The contract travels as JSON in the program's `etblocks_contract` method, so a runner never guesses.
 """
@@ -27,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from etblocks.export.adapters import PEFT_LAYOUT, TRANSPOSED_LAYOUT, AdapterSlot, AdapterTable
+from etblocks.export.adapters import AdapterSlot, AdapterTable
 from etblocks.state.spec import StateSpec
 
 CONTRACT_METHOD = "etblocks_contract"
@@ -80,7 +79,6 @@ class StaticContract:
     masks: tuple[MaskGroup, ...] = ()
     states: tuple[StateInput, ...] = ()
     adapters: tuple[AdapterSlot, ...] = ()
-    slot_layout: str = PEFT_LAYOUT  # `AdapterTable.layout`
 
     @property
     def methods(self) -> dict[str, int]:
@@ -93,7 +91,7 @@ class StaticContract:
 
     @property
     def adapter_table(self) -> AdapterTable:
-        return AdapterTable(self.adapters, self.dtype, self.slot_layout)
+        return AdapterTable(self.adapters, self.dtype)
 
     @property
     def paddable(self) -> bool:
@@ -153,7 +151,6 @@ class StaticContract:
             masks=tuple(MaskGroup(**g) for g in body["masks"]),
             states=tuple(StateInput(**{**s, "shape": tuple(s["shape"])}) for s in body["states"]),
             adapters=tuple(AdapterSlot.from_dict(slot) for slot in body.get("adapters", [])),
-            slot_layout=body.get("slot_layout", TRANSPOSED_LAYOUT),
         )
 
     def as_constant(self) -> list[int]:

@@ -190,13 +190,12 @@ def export(
     plan.say(f"lowering to {plan.backend.name}")
     from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 
-    with plan.backend.lowering():
-        edge = to_edge_transform_and_lower(
-            exported,
-            partitioner=partitioners,
-            compile_config=EdgeCompileConfig(_check_ir_validity=False),
-            constant_methods=program.metadata,
-        )
+    edge = to_edge_transform_and_lower(
+        exported,
+        partitioner=partitioners,
+        compile_config=EdgeCompileConfig(_check_ir_validity=False),
+        constant_methods=program.metadata,
+    )
     delegations = {name: summarize(edge.exported_program(name).graph_module) for name in exported}
     seconds["lower"] = time.perf_counter() - start
 

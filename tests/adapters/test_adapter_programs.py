@@ -34,8 +34,7 @@ from etblocks.adapters.peft import read_peft_adapter
 from etblocks.backends import _REGISTRY, Backend, get_backend, register_backend
 from etblocks.errors import AdapterMismatchError, ConfigError, ProgramFileError
 from etblocks.adapters.lora import LoRATensors
-from etblocks.export.adapters import AdapterSlot, AdapterTable, adapter_slots, lora_layers, slot_buffers
-from etblocks.export.contract import StaticContract
+from etblocks.export.adapters import AdapterTable, adapter_slots, lora_layers, slot_buffers
 from etblocks.export.programs import dynamic_program
 
 ATOL = 1e-4  # the exported program vs eager PEFT
@@ -70,6 +69,7 @@ def test_slots_compute_what_the_named_adapters_compute(tmp_path):
                 for slot_buffer in buffers:
                     slot_buffer.zero_()
                 assert (model(tokens).logits - base(tokens).logits).abs().max().item() <= ATOL
+                assert repr(model.model.layers[0]).count("slot_rank=") == 7  # grouped layers own no slot_a
             kinds = [slot.target.rsplit(".", 1)[1] for slot in table.slots[:7]]
             groups = [slot.group for slot in table.slots[:7]]
             assert kinds == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -142,24 +142,6 @@ def test_a_table_without_groups_keeps_the_layout_of_earlier_programs():
     assert [list(t.shape) for t in inputs] == [[8, 2], [2, 4], [8, 3], [3, 2]]
     assert torch.equal(inputs[0], lora_A.T) and torch.equal(inputs[1], lora_B.T * 0.5)
     assert not any(t.any() for t in inputs[2:])
-
-
-def test_slots_take_adapters_in_peft_layout():
-    """A table written now records PEFT's layout (`slot_a [r, in]`, `slot_b [out, r]`) and reads back with it; a
-    static contract or table without a layout is from before it was recorded (transposed); an unknown one is
-    refused."""
-    slots = (AdapterSlot("m.q_proj", None, 8, 4, 2), AdapterSlot("m.k_proj", (0, 2), 8, 2, 3))
-    table = AdapterTable.from_json(AdapterTable(slots, "float32").to_json())
-    assert table.layout == "peft"
-    lora_A, lora_B = torch.randn(2, 8), torch.randn(4, 2)
-    inputs = table.inputs({"m.q_proj": LoRATensors(lora_A, lora_B, 0.5)})
-    assert [list(t.shape) for t in inputs] == [[2, 8], [4, 2], [3, 8], [2, 3]]
-    assert torch.equal(inputs[0], lora_A) and torch.equal(inputs[1], lora_B * 0.5)
-    old = json.loads(StaticContract(8, 64, 32, "io", "float32", -1.0, adapters=slots).to_json())
-    del old["slot_layout"]
-    assert StaticContract.from_json(json.dumps(old)).adapter_table.layout == "transposed"
-    with pytest.raises(ValueError, match="slot layout 'rows' is neither 'peft' nor 'transposed'"):
-        AdapterTable.from_json(json.dumps({"slots": [], "dtype": "float32", "layout": "rows"}))
 
 
 @pytest.mark.slow
