@@ -158,13 +158,16 @@ class GatherExperts(Experts):
         # rows far faster with a 1-D index than with `[N, k]`, and the gathered weights need no reshape.
         flat = indices.reshape(-1)
         rows = x[:, None].expand(n, k, x.shape[-1]).reshape(n * k, x.shape[-1])
-        gate = torch.einsum("md,mid->mi", rows, self.gate_proj[flat])
-        up = torch.einsum("md,mid->mi", rows, self.up_proj[flat])
+        # Gathered weights as bmm's left operand, `[m, I, D] @ [m, D, 1]`: XNNPACK reads them as stored, where
+        # `einsum("md,mid->mi")` lowered to a bmm on their transpose, a copy as large as the gather.
+        column = rows[..., None]  # [m, D, 1]
+        gate = torch.bmm(self.gate_proj[flat], column).squeeze(-1)
+        up = torch.bmm(self.up_proj[flat], column).squeeze(-1)
         if self.gate_bias is not None:
             gate = gate + self.gate_bias[flat]
             up = up + self.up_bias[flat]
         hidden = self.activation(gate, up)
-        out = torch.einsum("mi,mdi->md", hidden, self.down_proj[flat])
+        out = torch.bmm(self.down_proj[flat], hidden[..., None]).squeeze(-1)
         if self.down_bias is not None:
             out = out + self.down_bias[flat]
         out = out.view(n, k, -1)
