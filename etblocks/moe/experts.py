@@ -159,19 +159,21 @@ class GatherExperts(Experts):
         flat = indices.reshape(-1)
         rows = x[:, None].expand(n, k, x.shape[-1]).reshape(n * k, x.shape[-1])
         # Gathered weights as bmm's left operand, `[m, I, D] @ [m, D, 1]`: XNNPACK reads them as stored, where
-        # `einsum("md,mid->mi")` lowered to a bmm on their transpose, a copy as large as the gather.
+        # `einsum("md,mid->mi")` lowered to a bmm on their transpose, a copy as large as the gather. The trailing
+        # 1 stays to the end (a squeeze is an operator XNNPACK leaves to the CPU).
         column = rows[..., None]  # [m, D, 1]
-        gate = torch.bmm(self.gate_proj[flat], column).squeeze(-1)
-        up = torch.bmm(self.up_proj[flat], column).squeeze(-1)
+        gate = torch.bmm(self.gate_proj[flat], column)
+        up = torch.bmm(self.up_proj[flat], column)
         if self.gate_bias is not None:
-            gate = gate + self.gate_bias[flat]
-            up = up + self.up_bias[flat]
-        hidden = self.activation(gate, up)
-        out = torch.bmm(self.down_proj[flat], hidden[..., None]).squeeze(-1)
+            gate = gate + self.gate_bias[flat][..., None]
+            up = up + self.up_bias[flat][..., None]
+        hidden = self.activation(gate, up)  # [m, I, 1]
+        out = torch.bmm(self.down_proj[flat], hidden)  # [m, D, 1]
         if self.down_bias is not None:
-            out = out + self.down_bias[flat]
-        out = out.view(n, k, -1)
-        return (out * weights[..., None]).sum(dim=1).to(x.dtype)
+            out = out + self.down_bias[flat][..., None]
+        # The router-weighted sum over the k slots as one more bmm, `[n, 1, k] @ [n, k, D]`: XNNPACK has no sum.
+        out = torch.bmm(weights.to(out.dtype).view(n, 1, k), out.view(n, k, -1))
+        return out.view(n, -1).to(x.dtype)
 
 
 EXPERT_STRATEGIES: dict[str, type[Experts]] = {"dense": DenseExperts, "gather": GatherExperts}

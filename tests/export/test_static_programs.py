@@ -68,8 +68,9 @@ def exported(request, tmp_path_factory):
 def test_runner_greedy_matches_hf_generate(exported):
     name, backend, original, result = exported
     assert result.methods[:2] == ["prefill", "decode"]
-    if backend != "portable":
-        assert result.delegation.n_cpu_ops < 0.2 * sum(result.delegation.ops_per_delegate.values())
+    if backend != "portable":  # fewer than a fifth of the program's operators on CPU
+        on_cpu = result.delegation.n_cpu_ops
+        assert on_cpu < 0.2 * (on_cpu + sum(result.delegation.ops_per_delegate.values()))
     runner = etblocks.Runner(result.path)
     assert runner.contract.chunk == CHUNK and runner.max_context_len == CONTEXT
     for length in PROMPT_LENGTHS:
