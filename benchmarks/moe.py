@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import pickle
 import shutil
 import statistics
 import sys
@@ -53,6 +52,7 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     spread_record,
     timing_mkl_threads,
 )
+from hybrid import Deferred  # a loaded driver's constructor call: the timing process builds the driver anew
 
 STRATEGIES = ("gather", "dense")
 PATHS = (*STRATEGIES, "transformers")
@@ -211,12 +211,11 @@ def time_round(driver: TokensPosDriver, prompt: list[int], stream: list[int], wa
     return 1e3 * statistics.median(times[warmup:])
 
 
-def time_rounds(pickled: dict[tuple[int, str], bytes], prompt: list[int], stream: list[int], warmup: int,
+def time_rounds(drivers: dict[tuple[int, str], TokensPosDriver], prompt: list[int], stream: list[int], warmup: int,
                 rounds: int) -> dict[tuple[int, str], list[float] | str]:
-    """Every program in `rounds` interleaved rounds (`time_round`), run by `harness.in_fresh_process`: `pickled`
-    drivers load their programs anew from their files (`harness.RebuiltWhenPickled`), away from the exports; per
-    program its ms per round, or why timing it failed."""
-    drivers = {key: pickle.loads(driver) for key, driver in pickled.items()}
+    """Every program in `rounds` interleaved rounds (`time_round`), run by `harness.in_fresh_process`: the drivers
+    arrive there from `hybrid.Deferred` constructor calls and load their programs anew from their files, away from
+    the exports; per program its ms per round, or why timing it failed."""
     results: dict[tuple[int, str], list[float] | str] = {key: [] for key in drivers}
     for r in range(rounds):
         for (e, path), driver in drivers.items():
@@ -311,11 +310,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     program.driver = None
             del base
             gc.collect()
-        pickled = {key: pickle.dumps(p.driver) for key, p in programs.items() if p.status == "ok"}
+        deferred = {key: Deferred(p.driver.__reduce__()) for key, p in programs.items() if p.status == "ok"}
         for p in programs.values():  # this process's loaded programs go before the timing process loads its own
             p.driver = None
         gc.collect()
-        for key, result in in_fresh_process(time_rounds, pickled, prompt, stream, args.warmup, args.rounds).items():
+        for key, result in in_fresh_process(time_rounds, deferred, prompt, stream, args.warmup, args.rounds).items():
             if isinstance(result, str):
                 programs[key].status = result
                 checks.fail(f"{key[0]} experts, {key[1]}: {result}")
