@@ -1232,8 +1232,33 @@ def row_record(row: Row, **extra: Any) -> dict[str, Any]:
             **extra}
 
 
+# The host kind every results entry ran on until an AVX2-only host came: its entries carry no host in their key.
+USUAL_HOST = "AVX-512 VNNI"
+
+
+def host_kind(flags: Mapping[str, bool | None] | None = None) -> str:
+    """The kind of host by the vector extensions XNNPACK's kernels are picked by: "AVX-512 VNNI", "AVX2-only",
+    "x86 without AVX2", or the machine's architecture where /proc/cpuinfo has no x86 flags."""
+    flags = cpu_flags() if flags is None else flags
+    if flags.get("avx512_vnni"):
+        return USUAL_HOST
+    if flags.get("avx2"):
+        return "AVX2-only"
+    if flags.get("avx2") is False:
+        return "x86 without AVX2"
+    return platform.machine()
+
+
+def host_key(key: str, flags: Mapping[str, bool | None] | None = None) -> str:
+    """`key` with the host kind appended unless the host is of `USUAL_HOST`'s kind, so that a run on another
+    kind of host sits beside the usual one's entry instead of replacing it."""
+    kind = host_kind(flags)
+    return key if kind == USUAL_HOST else f"{key} ({kind} host)"
+
+
 def entry_key(args: argparse.Namespace) -> str:
-    """The results entry a run writes: "smoke", "default" (no options) or the options given."""
+    """The results entry a run writes: "smoke", "default" (no options) or the options given, with `host_key`'s
+    host kind (smoke runs excepted: they are the suite's, never rendered)."""
     argv = [a for a in getattr(args, "argv", []) if a != "--smoke"]
     out_index = [i for i, a in enumerate(argv) if a == "--out"]
     for i in reversed(out_index):
@@ -1241,7 +1266,7 @@ def entry_key(args: argparse.Namespace) -> str:
     argv = [a for a in argv if not a.startswith("--out=")]
     if getattr(args, "smoke", False):
         return "smoke" + (" " + " ".join(argv) if argv else "")
-    return " ".join(argv) or "default"
+    return host_key(" ".join(argv) or "default")
 
 
 def args_record(args: argparse.Namespace) -> dict[str, Any]:

@@ -74,6 +74,7 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     describe_run,
     eager_reference_tokens,
     export_with_etblocks,
+    host_key,
     format_table,
     load_method,
     linear_bytes,
@@ -1197,7 +1198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     full = len(bench.layer_types) == len(FAMILIES[bench.family].layer_types)
     key = bench.family if full else f"{bench.family} ({len(bench.layer_types)} layers)"
     key = f"tiny {key}" if bench.tiny else key
-    key = f"smoke {key}" if args.smoke else key
+    key = f"smoke {key}" if args.smoke else host_key(key)
     # Runs of one entry merge: `--quantize none`, then `--quantize 8da4w`, fill one entry.
     write_results(args.out, key, entry, merge=("settings", "tables"))
     print(f"\nresults: {args.out} (entry {key!r}); wall time {wall_s / 60:.1f} min")

@@ -201,6 +201,20 @@ def test_hybrid_state_bytes_are_what_a_swapped_granite_program_keeps():
     assert kept[1] == hybrid.state_bytes(config, "full_attention", 64, width)
 
 
+def test_runs_on_another_host_kind_sit_beside_the_usual_hosts_entry(tmp_path):
+    harness = benchmark_module("harness")
+    vnni = {"avx2": True, "avx512f": True, "avx512_vnni": True, "amx_int8": False}
+    avx2 = {**vnni, "avx512f": False, "avx512_vnni": False}
+    assert harness.host_key("--rows a,e", vnni) == "--rows a,e"
+    assert harness.host_key("--rows a,e", avx2) == "--rows a,e (AVX2-only host)"
+    assert harness.host_kind(dict.fromkeys(vnni)) not in {"AVX-512 VNNI", "AVX2-only"}  # no x86 flags: the arch
+    out = tmp_path / "quant.json"
+    for flags, tps in ((vnni, 250.0), (avx2, 120.0)):
+        harness.write_results(out, harness.host_key("--rows a,e", flags), {"tps": tps})
+    assert json.loads(out.read_text())["runs"] == {"--rows a,e": {"tps": 250.0},
+                                                  "--rows a,e (AVX2-only host)": {"tps": 120.0}}
+
+
 def test_llama_cpp_build_flags_follow_the_cpu_but_leave_out_amx(tmp_path):
     llamacpp = benchmark_module("llamacpp")
     cpuinfo = tmp_path / "cpuinfo"
