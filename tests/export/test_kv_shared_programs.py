@@ -105,15 +105,16 @@ def test_single_head_static_eager_matches_hf(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gemma3n_text", "gemma4_text"])
-def test_qnn_programs_are_fully_covered(name):
+def test_qnn_programs_are_fully_covered():
     """16a8w prefill and decode of a source and a reuse layer of each kind (2 query heads over 1 KV head): every op
-    has a QNN builder, value norms and Gemma 4's K=V values included."""
-    model_type, overrides = KV_SHARED_FAMILIES[name]
+    has a QNN builder, value norms and K=V values included. Gemma 4 only: Gemma 3n's attention converts by the same
+    layout and converter (`families.py`: `VALUE_NORM`, `kv_shared_attention`), and what it adds (AltUp, LAuReL,
+    per-layer inputs) is upstream's own code, which a check of its own would add minutes for."""
+    model_type, overrides = KV_SHARED_FAMILIES["gemma4_text"]
     model = tiny_model(model_type, **{**overrides, **FEW_HEADS})
     etblocks.swap(model, backend="qnn", max_seq_len=CONTEXT, chunk=CHUNK)
     report = check_readiness(model, "qnn")
     text = format_readiness(report)
     for method, readiness in report.items():
-        assert readiness.ready, f"{name} {method}:\n{text}"
+        assert readiness.ready, f"{method}:\n{text}"
         assert not readiness.uncovered and not readiness.dynamic and not readiness.bad_dtypes
