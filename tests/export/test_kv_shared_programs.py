@@ -3,8 +3,8 @@
 The families (`KV_SHARED_FAMILIES`: four layers, sliding then full, twice; layers 2-3 reuse the keys and values
 of layers 0-1) are also `FAMILIES` entries: their eager parity and the dynamic XNNPACK tokens of the two dense ones
 are in `tests/swap/test_hf_families.py`. Here: the static contract holds one cache per source layer, the static program
-run eagerly matches transformers' logits (also in the qnn recipe's per-head form, whose 16a8w programs have a QNN
-builder for every op), and the exported static programs generate transformers' greedy tokens for prompts a
+run eagerly matches transformers' logits (also in the qnn recipe's per-head form, whose 16a8w Gemma 4 programs have a
+QNN builder for every op), and the exported static programs generate transformers' greedy tokens for prompts a
 multiple of the chunk (16) and not (13), both longer than the window (6).
 """
 
