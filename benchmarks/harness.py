@@ -21,7 +21,6 @@ import gc
 import json
 import multiprocessing
 import os
-import pickle
 import platform
 import shutil
 import statistics
@@ -292,6 +291,17 @@ class RebuiltWhenPickled:
 
 def _construct(cls: type, args: tuple, kwargs: dict) -> Any:
     return cls(*args, **kwargs)
+
+
+class Deferred:
+    """A driver's constructor call (`RebuiltWhenPickled.__reduce__`), kept in place of the driver: pickles as that
+    call, so a fresh process (`in_fresh_process`) builds the driver in its process while this one holds no program."""
+
+    def __init__(self, construction: tuple[Callable[..., Any], tuple]):
+        self.construction = construction
+
+    def __reduce__(self):
+        return self.construction
 
 
 class TokensPosDriver(RebuiltWhenPickled):
@@ -803,7 +813,7 @@ def time_in_fresh_process(prepared: list[tuple[Row, Driver | None]], bench: Benc
     freed) decoded slower than the same .pte loaded in a fresh process, the more so the more exports came before
     it, which skewed the rows of one run against each other. This process's drivers are released first; returns
     the timed rows and the bandwidths."""
-    payload = [(row, pickle.dumps(driver) if driver is not None else None) for row, driver in prepared]
+    payload = [(row, Deferred(driver.__reduce__()) if driver is not None else None) for row, driver in prepared]
     prepared.clear()
     gc.collect()
     return in_fresh_process(_time_loaded, payload, bench, warm_prefill)
@@ -827,10 +837,10 @@ def timing_mkl_threads() -> str:
     return os.environ.get(BLAS_THREADS_ENV, "1")
 
 
-def _time_loaded(payload: list[tuple[Row, bytes | None]], bench: Bench,
+def _time_loaded(prepared: list[tuple[Row, Driver | None]], bench: Bench,
                  warm_prefill: bool) -> tuple[list[Row], list[float]]:
-    """The fresh process's side of `time_in_fresh_process`: load, warm up, time."""
-    prepared = [(row, pickle.loads(driver) if driver is not None else None) for row, driver in payload]
+    """The fresh process's side of `time_in_fresh_process`: the drivers arrive built anew from their constructor
+    calls; warm up, time."""
     for _, driver in prepared:
         if driver is not None:
             warm_up(driver, bench)

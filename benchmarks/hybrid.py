@@ -56,6 +56,7 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     RESULTS_DIR,
     Bench,
     Checks,
+    Deferred,
     Driver,
     EagerDriver,
     PathSpec,
@@ -516,17 +517,6 @@ class ExporterDriver(RebuiltWhenPickled):
         outputs = run_method(self.decode_method, self._inputs(self.decode_layout, values, self.cache))
         logits, *self.cache = outputs[-self.leaves[min(self.dirs)]["decode"]:]
         return argmax_last(logits)
-
-
-class Deferred:
-    """A driver's constructor call (`RebuiltWhenPickled.__reduce__`), kept in place of the driver: pickles as that
-    call, so `time_in_fresh_process` builds the driver in its process while this one holds no program."""
-
-    def __init__(self, construction: tuple[Callable[..., Any], tuple]):
-        self.construction = construction
-
-    def __reduce__(self):
-        return self.construction
 
 
 class OneAtATime(RebuiltWhenPickled):

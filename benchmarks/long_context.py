@@ -52,6 +52,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from harness import (  # benchmarks/ is not a package: Python puts this script's folder first on sys.path
+    Deferred,
     Bench,
     Checks,
     Driver,
@@ -79,7 +80,6 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     spread_record,
     time_in_fresh_process,
 )
-from hybrid import Deferred  # a loaded driver's constructor call, timed again in each context's fresh process
 from llamacpp import llama_cpp_path
 from quant import speed_path  # etblocks' swap + export with an `Option`'s cache and weights
 

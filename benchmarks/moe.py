@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from harness import (  # benchmarks/ is not a package: Python puts this script's folder first on sys.path
+    Deferred,
     Checks,
     TokensPosDriver,
     add_run_args,
@@ -52,7 +53,6 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     spread_record,
     timing_mkl_threads,
 )
-from hybrid import Deferred  # a loaded driver's constructor call: the timing process builds the driver anew
 
 STRATEGIES = ("gather", "dense")
 PATHS = (*STRATEGIES, "transformers")
@@ -214,7 +214,7 @@ def time_round(driver: TokensPosDriver, prompt: list[int], stream: list[int], wa
 def time_rounds(drivers: dict[tuple[int, str], TokensPosDriver], prompt: list[int], stream: list[int], warmup: int,
                 rounds: int) -> dict[tuple[int, str], list[float] | str]:
     """Every program in `rounds` interleaved rounds (`time_round`), run by `harness.in_fresh_process`: the drivers
-    arrive there from `hybrid.Deferred` constructor calls and load their programs anew from their files, away from
+    arrive there from `harness.Deferred` constructor calls and load their programs anew from their files, away from
     the exports; per program its ms per round, or why timing it failed."""
     results: dict[tuple[int, str], list[float] | str] = {key: [] for key in drivers}
     for r in range(rounds):

@@ -48,6 +48,7 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     Option,
     PathSpec,
     Row,
+    USUAL_HOST,
     Shape,
     Unavailable,
     aligned_table,
@@ -56,12 +57,12 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     build_hf_model,
     bytes_per_token,
     check_rows,
-    cpu_flags,
     describe_run,
     eager_reference_tokens,
     export_with_etblocks,
     finish,
     format_table,
+    host_kind,
     make_bench,
     paired_median,
     quantized_reference,
@@ -157,7 +158,7 @@ def format_targets(rows: Sequence[Row], bandwidths: Sequence[float], row_bytes: 
     by_key = {r.key: r for r in rows if r.status == "ok"}
     row = by_key.get(TARGET_KEY)
     share = paired_median(row.decode_runs, [b / row_bytes[TARGET_KEY] for b in bandwidths]) if row else None
-    vnni = bool(cpu_flags()["avx512_vnni"])
+    vnni = host_kind() == USUAL_HOST
     lines = ["targets (median of per-round ratios):", target_line(
         f"({TARGET_KEY}) 8da4w decode % of its roofline (host {'has' if vnni else 'lacks'} AVX-512 VNNI)",
         None if share is None else 100 * share, 100 * (VNNI_SHARE if vnni else OTHER_SHARE), "%")]
