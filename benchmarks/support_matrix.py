@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from sweeps import CRASHED, git_commit, run_isolated, versions
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "support_matrix.json"
@@ -35,7 +35,7 @@ PROMPT_LEN = 12
 MAX_SEQ_LEN = 64
 FAMILY_TIMEOUT_S = 900
 OK, REFUSED, NOT_BUILDABLE = "token-exact", "refused", "not buildable"
-BUGS = ("wrong tokens", "raw exception", "crashed")
+BUGS = ("wrong tokens", "raw exception", CRASHED)
 
 
 def run_family(model_type: str, workdir: Path) -> dict:
@@ -77,40 +77,10 @@ def run_family(model_type: str, workdir: Path) -> dict:
     return {**record, "status": OK}
 
 
-def run_isolated(model_type: str) -> dict:
-    """`run_family` in a fresh process; a crash or a timeout is recorded as such."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        start = time.perf_counter()
-        cmd = [sys.executable, __file__, "--one", model_type, "--one-out", str(out)]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=FAMILY_TIMEOUT_S, env=env, check=False)
-        except subprocess.TimeoutExpired:
-            return {"status": "crashed", "reason": f"no result within {FAMILY_TIMEOUT_S} s"}
-        if not out.exists():
-            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-            return {"status": "crashed", "reason": f"exit {done.returncode}: {' | '.join(tail)}"[:2000]}
-        record = json.loads(out.read_text())
-        record["seconds"] = round(time.perf_counter() - start, 1)
-        return record
-
-
 def with_run(record: dict, commit: str | None, transformers_version: str) -> dict:
     """Each family keeps the commit and transformers version it ran with: a run over some families merges into an
     earlier whole run."""
     return {**record, "git_commit": commit, "transformers": transformers_version}
-
-
-def versions() -> dict:
-    from importlib.metadata import version
-
-    return {name: version(name) for name in ("transformers", "torch", "executorch")}
-
-
-def git_commit() -> str | None:
-    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False)
-    return done.stdout.strip() or None
 
 
 def all_model_types() -> list[str]:
@@ -190,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     results = json.loads(args.out.read_text()) if args.families and args.out.exists() else {"families": {}}
     start, commit, installed = time.perf_counter(), git_commit(), versions()
     with ThreadPoolExecutor(args.jobs) as pool:
-        for model_type, record in zip(model_types, pool.map(run_isolated, model_types)):
+        records = pool.map(lambda model_type: run_isolated(Path(__file__), model_type, FAMILY_TIMEOUT_S), model_types)
+        for model_type, record in zip(model_types, records):
             results["families"][model_type] = with_run(record, commit, installed["transformers"])
             print(f"{model_type:28s} {record['status']:15s} {record.get('reason', '')[:150]}", flush=True)
     results.update(versions=installed, git_commit=commit, wall_s=round(time.perf_counter() - start))
