@@ -123,6 +123,22 @@ def test_rendered_docs_are_current():
     assert done.returncode == 0, done.stderr
 
 
+def test_backend_matrix_page_is_what_the_results_give():
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "backend_matrix.py"), "--check"], cwd=ROOT,
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 0, "docs/backend_matrix.md is stale: run python benchmarks/backend_matrix.py --render"
+
+
+@pytest.mark.parametrize("option, value, known", [("--families", "llama,nope", "gemma4_text"),
+                                                  ("--backends", "qnn,coreml", "portable static")])
+def test_backend_matrix_names_what_it_knows_for_an_unknown_cell(option, value, known, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        benchmark_module("backend_matrix").main([option, value])
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err
+    assert f"{option}: unknown ['{value.split(',')[1]}']" in message and known in message
+
+
 def test_token_check_and_its_break_switch(monkeypatch):
     harness = benchmark_module("harness")
     monkeypatch.delenv(harness.BREAK_ROW_ENV, raising=False)

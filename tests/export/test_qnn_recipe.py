@@ -27,15 +27,18 @@ def swap_qnn(name: str, **config):
     return swapped_family(name, "qnn", family_variant(name, **FEW_HEADS, **config), max_seq_len=64, chunk=8)
 
 
-# Layers each readiness check needs: gemma3_text and gpt_oss have a sliding and a full layer. Llama's check is the
-# command line's (`test_cli_check_prints_the_report`).
-COVERED = {"gemma3_text": 2, "gpt_oss": 2}  # gpt_oss: SHA with sinks, dense MoE
+# The layers each readiness check needs. gpt_oss: per-head attention with sinks, on one sliding layer (its full
+# layers add the sinks to a full cache's mask, the per-head layout Gemma 4's check has), and the dense MoE. Llama's
+# check is the command line's (`test_cli_check_prints_the_report`); per-head sliding and full layers with q/k norms
+# are Gemma 4's (tests/export/test_kv_shared_programs.py); every family's, all its layers: `benchmarks/backend_matrix.py`.
+COVERED = {"gpt_oss": dict(num_hidden_layers=1, layer_types=["sliding_attention"])}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(COVERED))
 def test_quantized_qnn_program_is_fully_covered(name):
-    _, swapped = swap_qnn(name, num_hidden_layers=COVERED[name])
+    _, swapped = swap_qnn(name, **COVERED[name])
+    assert any(getattr(m, "sinks", None) is not None for m in swapped.modules())
     report = check_readiness(swapped, "qnn")  # 16a8w, the recipe's default
     text = format_readiness(report)
     print(text)

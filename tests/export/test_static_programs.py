@@ -27,11 +27,14 @@ from etblocks.swap.hf.adapter import HFSingleHeadAttention
 NEW_TOKENS = 32
 PROMPT_LENGTHS = (16, 13, 5, 17)
 STATIC_FAMILIES = ("llama", "qwen3", "gemma3_text", "qwen3_5_text", "qwen3_5_moe_text", "lfm2", "granitemoehybrid")
-# Exported: each backend lowers the layers its own way; Qwen3.5-MoE adds only the dense MoE beside its mixers and
-# Qwen3 only the per-head q/k norms that gemma3_text's programs hold too.
-EXPORTED = [(n, b) for n in ("llama", "gemma3_text", "qwen3_5_text", "lfm2", "granitemoehybrid")
-            for b in ("portable", "xnnpack", "openvino")]
-EXPORTED.append(("qwen3_5_moe_text", "openvino"))
+# Exported: llama on each backend, and each kind of layer once, on a backend that lowers it its own way: windows on
+# portable kernels, gated DeltaNet in XNNPACK's fused kernel (Qwen3.5) and in chunks with dense experts on OpenVINO
+# (Qwen3.5-MoE), short convolutions on portable kernels, Mamba2's scan with MoE on OpenVINO. Qwen3 adds only the
+# per-head q/k norms that gemma3_text's programs hold too. Every family on every backend:
+# `benchmarks/backend_matrix.py` (docs/backend_matrix.md).
+EXPORTED = [("llama", "portable"), ("llama", "xnnpack"), ("llama", "openvino"), ("gemma3_text", "portable"),
+            ("qwen3_5_text", "xnnpack"), ("qwen3_5_moe_text", "openvino"), ("lfm2", "portable"),
+            ("granitemoehybrid", "openvino")]
 LOGIT_ATOL = 1e-4
 
 
