@@ -55,7 +55,6 @@ def run_cell(name: str, backend: str, workdir: Path) -> dict:
     from static_refs import CHUNK, CONTEXT
 
     import etblocks
-    from etblocks.backends.qnn.readiness import format_readiness
     from etblocks.errors import EtblocksError
     from etblocks.export import check_readiness
 
@@ -73,9 +72,9 @@ def run_cell(name: str, backend: str, workdir: Path) -> dict:
         if target == "qnn":
             step = "check_readiness"
             report = check_readiness(swapped, "qnn")
-            ready = all(r.ready for r in report.values())
-            return {**record, "status": READY if ready else "not ready",
-                    **({} if ready else {"reason": format_readiness(report)[-2000:]})}
+            if all(r.ready for r in report.values()):
+                return {**record, "status": READY}
+            return {**record, "status": "not ready", "reason": "; ".join(readiness_problems(report))[:2000]}
         step = "export"
         result = etblocks.export(swapped, backend=target, out=workdir / "model.pte")
         step = "run"
@@ -96,6 +95,20 @@ def run_cell(name: str, backend: str, workdir: Path) -> dict:
         return {"status": REFUSED, "reason": f"{where}{type(exc).__name__}: {exc}"[:2000]}
     except Exception as exc:  # noqa: BLE001 - what the matrix exists to find
         return {"status": "raw exception", "reason": f"at {step}: {type(exc).__name__}: {exc}"[:2000]}
+
+
+def readiness_problems(report: dict) -> list[str]:
+    """What keeps each method of a QNN readiness report from lowering, one line per kind of problem."""
+    problems = []
+    for method, readiness in report.items():
+        if readiness.uncovered:
+            problems.append(f"{method}: no QNN builder for {', '.join(sorted(readiness.uncovered))}")
+        for kind, nodes in (("dynamic shapes", readiness.dynamic), ("dtypes HTP cannot hold", readiness.bad_dtypes)):
+            if nodes:
+                problems.append(f"{method}: {kind} at {len(nodes)} nodes, e.g. {nodes[0]}")
+        if readiness.build_error:
+            problems.append(f"{method}: graph build failed: {readiness.build_error}")
+    return problems
 
 
 def cell_key(name: str, backend: str) -> str:

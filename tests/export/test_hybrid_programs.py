@@ -127,11 +127,11 @@ def test_8da4w_program_matches_torchao_eager(name, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen3_5_text", "lfm2", "granitemoehybrid_dense"])
+@pytest.mark.parametrize("name", ["qwen3_5_text", "lfm2", "granitemoehybrid"])
 def test_qnn_programs_are_fully_covered(name):
     """16a8w prefill and decode of one state layer and one attention layer: every op has a QNN builder (the
     chunked delta rule and Mamba2's static scan in matmuls and constant masks, no cumsum, triangular solve or
-    int64)."""
+    int64; Granite's experts behind etblocks' router, whose dense form has no int64 indices)."""
     model_type, overrides = HYBRID_FAMILIES[name]
     model = tiny_model(model_type, **{**overrides, **FEW_HEADS})
     etblocks.swap(model, backend="qnn", max_seq_len=CONTEXT, chunk=CHUNK)

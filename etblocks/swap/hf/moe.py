@@ -38,6 +38,15 @@ def convert_softmax_moe(module: nn.Module, ctx: SwapContext) -> MoE:
     return MoE(router, _experts(module.experts, ctx), getattr(module, "shared_expert", None), getattr(module, "shared_expert_gate", None))
 
 
+def convert_granite_moe(module: nn.Module, ctx: SwapContext) -> MoE:
+    """Granite MoE, MoE-shared and 4.0-H: a softmax over the top-k router logits and Mixtral's fused experts (the
+    shared MLP is the decoder layer's). Converted whole, not as generic experts behind the family's router: that
+    router's `topk` indices are int64, which NPUs such as Qualcomm HTP do not hold, and the dense strategy needs
+    none (`TopKRouter.dense_weights`)."""
+    router = TopKRouter(module.router.weight, module.router.top_k, renormalize=True)
+    return MoE(router, _experts(module.experts, ctx))
+
+
 def convert_deepseek_v3_moe(module: nn.Module, ctx: SwapContext) -> MoE:
     gate = module.gate
     router = GroupedTopKRouter(
@@ -173,6 +182,9 @@ MOE_FAMILIES = {
     "deepseek_v2": ("DeepseekV2Moe", convert_deepseek_v2_moe),
     "deepseek_v3": ("DeepseekV3MoE", convert_deepseek_v3_moe),
     "gpt_oss": ("GptOssMLP", convert_gpt_oss_moe),
+    "granitemoe": ("GraniteMoeMoE", convert_granite_moe),
+    "granitemoeshared": ("GraniteMoeSharedMoE", convert_granite_moe),
+    "granitemoehybrid": ("GraniteMoeHybridMoE", convert_granite_moe),
 }
 
 
