@@ -25,9 +25,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from sweeps import CRASHED, git_commit, run_isolated, versions
+from sweeps import CRASHED, ROOT, git_commit, run_isolated, versions
 
-ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "support_matrix.json"
 PAGE = ROOT / "docs" / "transformers.md"
 NEW_TOKENS = 8
