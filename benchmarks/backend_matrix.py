@@ -141,7 +141,7 @@ def render(results: dict) -> str:
         "|---|---|",
         *(f"| {status} | {n} |" for status, n in sorted(counts.items())),
         "",
-        "A cell not run yet is blank. Reasons of refusals and failures are below the table.",
+        "A family not run yet is missing, a cell not run yet blank. Reasons of refusals and failures are below the table.",
         "",
         "| family | " + " | ".join(BACKENDS) + " |",
         "|---|" + "---|" * len(BACKENDS),
