@@ -24,12 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from sweeps import CRASHED, ROOT, git_commit, run_isolated, versions
+from sweeps import CRASHED, ROOT, add_sweep_args, git_commit, one_case_or_page, run_isolated, table_cell, versions
 
 RESULTS = ROOT / "benchmarks" / "results" / "backend_matrix.json"
 PAGE = ROOT / "docs" / "backend_matrix.md"
@@ -153,8 +152,7 @@ def render(results: dict) -> str:
             record = cells.get(cell_key(name, backend))
             row.append("" if record is None else record["status"])
             if record is not None and record["status"] not in (OK, READY):
-                detail = " ".join(record.get("reason", "").split()).replace("|", "\\|")
-                notes.append(f"- `{name}` on `{backend}`: {detail[:297] + '...' if len(detail) > 300 else detail}")
+                notes.append(f"- `{name}` on `{backend}`: {table_cell(record.get('reason', ''))}")
         lines.append(f"| `{name}` | " + " | ".join(row) + " |")
     return "\n".join([*lines, "", *notes]).rstrip() + "\n"
 
@@ -164,25 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--families", help="comma-separated names of the tests' FAMILIES (default: all)")
     parser.add_argument("--backends", help=f"comma-separated, of {', '.join(BACKENDS)} (default: all)")
     parser.add_argument("--jobs", type=int, default=2, help="cells run at once (default 2)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--render", action="store_true", help=f"rewrite {PAGE.relative_to(ROOT)} from the results file")
-    parser.add_argument("--check", action="store_true", help=f"exit 1 if {PAGE.relative_to(ROOT)} is not what the results give")
-    parser.add_argument("--one", help=argparse.SUPPRESS)
-    parser.add_argument("--one-out", type=Path, help=argparse.SUPPRESS)
+    add_sweep_args(parser, RESULTS, PAGE)
     args = parser.parse_args(argv)
-
-    if args.one:
-        name, backend = args.one.split("/")
-        with tempfile.TemporaryDirectory() as tmp:
-            record = run_cell(name, backend, Path(tmp))
-        args.one_out.write_text(json.dumps(record))
-        return 0
-    if args.render or args.check:
-        page = render(json.loads(args.out.read_text()))
-        if args.check:
-            return 0 if PAGE.exists() and PAGE.read_text() == page else 1
-        PAGE.write_text(page)
-        return 0
+    done = one_case_or_page(args, lambda key, workdir: run_cell(*key.split("/"), workdir), render, PAGE)
+    if done is not None:
+        return done
 
     known = families()
     names = args.families.split(",") if args.families else known

@@ -20,12 +20,11 @@ import argparse
 import copy
 import json
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from sweeps import CRASHED, ROOT, git_commit, run_isolated, versions
+from sweeps import CRASHED, ROOT, add_sweep_args, git_commit, one_case_or_page, run_isolated, table_cell, versions
 
 RESULTS = ROOT / "benchmarks" / "results" / "support_matrix.json"
 PAGE = ROOT / "docs" / "transformers.md"
@@ -125,9 +124,7 @@ def render(results: dict) -> str:
     ]
     for model_type, record in sorted(families.items()):
         detail = ", ".join(record.get("blocks", [])) if record["status"] == OK else record.get("reason", "")
-        detail = " ".join(detail.split()).replace("|", "\\|")
-        if len(detail) > 300:
-            detail = detail[:297] + "..."
+        detail = table_cell(detail)
         lines.append(f"| `{model_type}` | {record.get('architecture', '')} | {record['status']} | {detail} |")
     return "\n".join(lines) + "\n"
 
@@ -136,24 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", help="comma-separated model types (default: all); merged into the results file")
     parser.add_argument("--jobs", type=int, default=2, help="families run at once (default 2)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--render", action="store_true", help=f"rewrite {PAGE.relative_to(ROOT)} from the results file")
-    parser.add_argument("--check", action="store_true", help=f"exit 1 if {PAGE.relative_to(ROOT)} is not what the results give")
-    parser.add_argument("--one", help=argparse.SUPPRESS)
-    parser.add_argument("--one-out", type=Path, help=argparse.SUPPRESS)
+    add_sweep_args(parser, RESULTS, PAGE)
     args = parser.parse_args(argv)
-
-    if args.one:
-        with tempfile.TemporaryDirectory() as tmp:
-            record = run_family(args.one, Path(tmp))
-        args.one_out.write_text(json.dumps(record))
-        return 0
-    if args.render or args.check:
-        page = render(json.loads(args.out.read_text()))
-        if args.check:
-            return 0 if PAGE.exists() and PAGE.read_text() == page else 1
-        PAGE.write_text(page)
-        return 0
+    done = one_case_or_page(args, run_family, render, PAGE)
+    if done is not None:
+        return done
 
     model_types = args.families.split(",") if args.families else all_model_types()
     results = json.loads(args.out.read_text()) if args.families and args.out.exists() else {"families": {}}

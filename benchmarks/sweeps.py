@@ -6,17 +6,52 @@ a JSON object, to FILE), and every case that way through `run_isolated`."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CRASHED = "crashed"
+
+
+def add_sweep_args(parser: argparse.ArgumentParser, results: Path, page: Path) -> None:
+    """`--out`, `--render`, `--check`, and the hidden `--one KEY --one-out FILE` each case runs by."""
+    parser.add_argument("--out", type=Path, default=results)
+    parser.add_argument("--render", action="store_true", help=f"rewrite {page.relative_to(ROOT)} from the results file")
+    parser.add_argument("--check", action="store_true", help=f"exit 1 if {page.relative_to(ROOT)} is not what the results give")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--one-out", type=Path, help=argparse.SUPPRESS)
+
+
+def one_case_or_page(args: argparse.Namespace, run_case: Callable[[str, Path], dict],
+                     render: Callable[[dict], str], page: Path) -> int | None:
+    """The exit code of `--one` (`run_case(key, workdir)` in this process, its record into `--one-out`), `--render`
+    or `--check` (the page against what the results file gives); None when the call is a sweep."""
+    if args.one:
+        with tempfile.TemporaryDirectory() as tmp:
+            record = run_case(args.one, Path(tmp))
+        args.one_out.write_text(json.dumps(record))
+        return 0
+    if args.render or args.check:
+        text = render(json.loads(args.out.read_text()))
+        if args.check:
+            return 0 if page.exists() and page.read_text() == text else 1
+        page.write_text(text)
+        return 0
+    return None
+
+
+def table_cell(text: str, limit: int = 300) -> str:
+    """`text` on one line for a Markdown table, `|` escaped, cut to `limit` characters."""
+    text = " ".join(text.split()).replace("|", "\\|")
+    return text[: limit - 3] + "..." if len(text) > limit else text
 
 
 def run_isolated(script: Path, key: str, timeout_s: float) -> dict:
