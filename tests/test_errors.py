@@ -310,6 +310,36 @@ def test_moe_configs_it_cannot_serve():
     assert_untouched(model, snapshot)
 
 
+def test_moe_top_k_index_on_a_backend_without_int64_is_refused():
+    """QNN's HTP holds no int64 tensors: experts picked by a top-k index (the gather strategy, or generic experts
+    behind their family's router, left upstream) are refused at swap, naming the module, why and the way out, rather
+    than found by the readiness check after it. The same models swap for a backend that holds int64."""
+    from hf_matrix import tiny_matrix_model
+
+    _, model = family_pair("qwen3_moe")
+    snapshot = snapshot_of(model)
+    with pytest.raises(
+        UnsupportedModelError,
+        match=r"model\.layers\.0\.mlp \(Qwen3MoeSparseMoeBlock\): its experts take the gather strategy.*int64.*"
+        r"backend='qnn' cannot take it: the Hexagon NPU \(HTP\) holds no int64 tensors\. Swap with moe='dense'",
+    ):
+        etblocks.swap(model, backend="qnn", max_seq_len=32, chunk=8, moe="gather")
+    assert_untouched(model, snapshot)
+
+    model = tiny_matrix_model("ernie4_5_moe")
+    snapshot = snapshot_of(model)
+    with pytest.raises(
+        UnsupportedModelError,
+        match=r"model\.layers\.\d+\.mlp\.experts \(Ernie4_5_MoeExperts\): its family's router, which etblocks does "
+        r"not convert, hands it a top-k index.*Register a converter for that router returning an "
+        r"etblocks\.swap\.hf\.moe\.HFRouter.*or swap for one of \[.*'openvino'.*\]",
+    ):
+        etblocks.swap(model, backend="qnn", max_seq_len=32, chunk=8)
+    assert_untouched(model, snapshot)
+    etblocks.swap(model, backend="openvino", max_seq_len=32, chunk=8)
+    assert "experts" in {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if type(m).__name__ == "HFExperts"}
+
+
 def test_moe_probe_catches_a_block_that_computes_something_else():
     """A subclass inherits its parent's converter; if it computes differently, the probe names it."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from importlib.metadata import entry_points
 
-from etblocks.backends.base import INT8_IO_CACHE, STATIC_IO, Backend, Readiness
+from etblocks.backends.base import INT8_IO_CACHE, INT64_TENSORS, STATIC_IO, Backend, Readiness
 from etblocks.errors import ConfigError
 from etblocks.options import Option
 
@@ -78,6 +78,7 @@ __all__ = [
     "Backend",
     "Readiness",
     "INT8_IO_CACHE",
+    "INT64_TENSORS",
     "STATIC_IO",
     "BUILTIN",
     "register_backend",

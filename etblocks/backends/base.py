@@ -19,6 +19,7 @@ from etblocks.options import Option, check
 
 # Limits a backend may declare (`Backend.limits`: limit -> why it does not lower).
 INT8_IO_CACHE = "int8_io_cache"  # a static program whose caller-owned caches are int8
+INT64_TENSORS = "int64_tensors"  # a program holding int64 tensors (an MoE router's top-k index)
 
 # The recipe of NPU-style backends: static shapes, caller-owned state, attention with the caller's mask.
 STATIC_IO = {"shapes": "static", "cache": "io", "sdpa": "static"}

@@ -24,19 +24,31 @@ def kth_largest(values: torch.Tensor, k: int) -> torch.Tensor:
 
 
 class TopKRouter(nn.Module):
-    """Softmax top-k (Mixtral, Qwen2/3-MoE, OLMoE, GPT-OSS): `x [N, D] -> (weights [N, k], indices [N, k])`.
+    """Softmax top-k (Mixtral, Qwen2/3-MoE, OLMoE, GPT-OSS, Gemma 4): `x [N, D] -> (weights [N, k], indices [N, k])`.
 
     With `renormalize`, the weights are a softmax over the top-k logits only: it equals "softmax over all
     experts, take the top-k, divide by their sum" (Mixtral, `norm_topk_prob`) and is GPT-OSS's own form, and it
-    skips the softmax over all experts. Weights come back in fp32, as upstream computes them.
+    skips the softmax over all experts. `expert_scale [E]` multiplies each chosen expert's weight afterwards
+    (Gemma 4's `per_expert_scale`). Weights come back in fp32, as upstream computes them.
     """
 
-    def __init__(self, weight: nn.Parameter, top_k: int, *, bias: nn.Parameter | None = None, renormalize: bool) -> None:
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        top_k: int,
+        *,
+        bias: nn.Parameter | None = None,
+        renormalize: bool,
+        expert_scale: nn.Parameter | None = None,
+    ) -> None:
         super().__init__()
         if not 1 <= top_k <= weight.shape[0]:
             raise ValueError(f"top_k={top_k} must be in 1..{weight.shape[0]} (the number of experts)")
+        if expert_scale is not None and expert_scale.shape != weight.shape[:1]:
+            raise ValueError(f"expert_scale has shape {tuple(expert_scale.shape)}; it needs one value per expert, ({weight.shape[0]},)")
         self.weight = weight  # [E, D]
         self.bias = bias  # [E] or None
+        self.expert_scale = expert_scale  # [E] or None
         self.top_k = top_k
         self.renormalize = renormalize
 
@@ -44,20 +56,33 @@ class TopKRouter(nn.Module):
     def n_experts(self) -> int:
         return self.weight.shape[0]
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight, self.bias)
-        if self.renormalize:
-            top, indices = logits.topk(self.top_k, dim=-1)
-            return torch.softmax(top.float(), dim=-1), indices
-        weights, indices = torch.softmax(logits.float(), dim=-1).topk(self.top_k, dim=-1)
-        return weights, indices
+        return self.top_k_of(self.logits(x))
 
     def dense_weights(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x, self.weight, self.bias).float()
+        return self.dense_of(self.logits(x))
+
+    def top_k_of(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top-k form from the router's logits (callers that also need the logits compute them once)."""
+        if self.renormalize:
+            top, indices = logits.topk(self.top_k, dim=-1)
+            weights = torch.softmax(top.float(), dim=-1)
+        else:
+            weights, indices = torch.softmax(logits.float(), dim=-1).topk(self.top_k, dim=-1)
+        return (weights if self.expert_scale is None else weights * self.expert_scale[indices]), indices
+
+    def dense_of(self, logits: torch.Tensor) -> torch.Tensor:
+        """The dense form from the router's logits."""
+        logits = logits.float()
         chosen = logits >= kth_largest(logits, self.top_k)
         if self.renormalize:
-            return torch.softmax(torch.where(chosen, logits, float("-inf")), dim=-1)
-        return torch.softmax(logits, dim=-1) * chosen
+            weights = torch.softmax(torch.where(chosen, logits, float("-inf")), dim=-1)
+        else:
+            weights = torch.softmax(logits, dim=-1) * chosen
+        return weights if self.expert_scale is None else weights * self.expert_scale
 
 
 class GroupedTopKRouter(nn.Module):

@@ -11,12 +11,14 @@ from typing import Callable
 from torch import nn
 
 from etblocks.adapters.load import attach_adapter
+from etblocks.backends import INT64_TENSORS, backends, get_backend
 from etblocks.errors import ConfigError, UnsupportedModelError
 from etblocks.state.base import find_states
 from etblocks.swap.hf.convert import attention_from_layout
 from etblocks.swap.hf.fallback import infer_layouts
 from etblocks.swap.hf.hybrid import is_state_layer, state_layout
 from etblocks.swap.hf.model import TransformersKind
+from etblocks.swap.hf.moe import int64_index_users
 from etblocks.swap.kinds import ModelKind
 from etblocks.swap.probe import Probe, probe_length
 from etblocks.swap.recipes import Recipe, resolve_recipe
@@ -108,6 +110,7 @@ def swap(
     targets = [(name, module) for name, module in targets if chosen.get(name, True) is not None]
     if not targets:
         raise UnsupportedModelError(f"none of the token mixers of this {type(model).__name__} runs in a text forward pass")
+    _refuse_int64_index(model, replacements, recipe)
     _commit(model, replacements, recipe)
     kind.finish(model)
     if adapter:
@@ -284,6 +287,20 @@ def _try_make(make: Maker, module: nn.Module, ctx: SwapContext) -> tuple[nn.Modu
 def _inside(name: str, targets: list[tuple[str, nn.Module]]) -> bool:
     """Whether module `name` lies inside an attention module (its converter owns it)."""
     return any(name.startswith(outer + ".") for outer, _ in targets)
+
+
+def _refuse_int64_index(model: nn.Module, replacements: list[tuple[str, nn.Module]], recipe: Recipe) -> None:
+    """`UnsupportedModelError` if the programs would hold an MoE top-k index (int64) and the backend holds none."""
+    backend = get_backend(recipe.backend)
+    users = int64_index_users(replacements) if INT64_TENSORS in backend.limits else []
+    if users:
+        name, why, remedy = users[0]
+        takers = sorted(b.name for b in backends() if INT64_TENSORS not in b.limits)
+        raise UnsupportedModelError(
+            f"{name} ({type(model.get_submodule(name)).__name__}): {why}, an int64 tensor, and backend="
+            f"{recipe.backend!r} cannot take it: {backend.limits[INT64_TENSORS]}. {remedy[0].upper()}{remedy[1:]}, "
+            f"or swap for one of {takers}"
+        )
 
 
 def _commit(model: nn.Module, replacements, recipe: Recipe) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import FEW_HEADS, KV_SHARED_FAMILIES, WINDOW, hf_greedy, prompt_ids, tiny_model
+from hf_models import FAMILIES, FEW_HEADS, KV_SHARED_FAMILIES, WINDOW, hf_greedy, prompt_ids, tiny_model
 from static_refs import CHUNK, CONTEXT, eager_feeder, greedy, swap_static
 
 import etblocks
@@ -20,6 +20,7 @@ from etblocks.backends.qnn.readiness import format_readiness
 from etblocks.export import check_readiness
 from etblocks.export.programs import static_program
 from etblocks.swap.hf.adapter import HFKVSharedAttention, HFSingleHeadAttention
+from etblocks.swap.hf.moe import HFRouter
 
 NEW_TOKENS = 32
 PROMPT_LENGTHS = (16, 13)
@@ -107,12 +108,14 @@ def test_single_head_static_eager_matches_hf(name):
 @pytest.mark.slow
 def test_qnn_programs_are_fully_covered():
     """16a8w prefill and decode of a source and a reuse layer of each kind (2 query heads over 1 KV head): every op
-    has a QNN builder, value norms and K=V values included. Gemma 4 only: Gemma 3n's attention converts by the same
-    layout and converter (`families.py`: `VALUE_NORM`, `kv_shared_attention`), and what it adds (AltUp, LAuReL,
-    per-layer inputs) is upstream's own code, which a check of its own would add minutes for."""
-    model_type, overrides = KV_SHARED_FAMILIES["gemma4_text"]
+    has a QNN builder, value norms, K=V values and Gemma 4's MoE (its router's dense form: no int64 index) included.
+    Gemma 4 only: Gemma 3n's attention converts by the same layout and converter (`families.py`: `VALUE_NORM`,
+    `kv_shared_attention`), and what it adds (AltUp, LAuReL, per-layer inputs) is upstream's own code, which a check
+    of its own would add minutes for. Gemma 4 without experts: `benchmarks/backend_matrix.py`."""
+    model_type, overrides = FAMILIES["gemma4_text_moe"]
     model = tiny_model(model_type, **{**overrides, **FEW_HEADS})
     etblocks.swap(model, backend="qnn", max_seq_len=CONTEXT, chunk=CHUNK)
+    assert any(isinstance(m, HFRouter) and m.dense for m in model.modules())
     report = check_readiness(model, "qnn")
     text = format_readiness(report)
     for method, readiness in report.items():

@@ -12,6 +12,7 @@ from executorch.exir import to_edge_transform_and_lower
 from transformers import AutoConfig
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as deepseek_v2
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek_v3
+from transformers.models.gemma4 import modeling_gemma4 as gemma4
 from transformers.models.gpt_oss import modeling_gpt_oss as gpt_oss
 from transformers.models.mixtral import modeling_mixtral as mixtral
 from transformers.models.olmoe import modeling_olmoe as olmoe
@@ -145,6 +146,36 @@ def test_softmax_router_matches_upstream(upstream_cls, model_type, renormalize):
         assert torch.allclose(actual.sum(-1), torch.ones(16))
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_gemma4_router_and_experts_match_upstream(strategy):
+    """Gemma 4's layer calls its router and its generic experts apart: the converted router (scaled input, top-k
+    renormalised, times `per_expert_scale`) feeds the converted experts in either form, and the dense form hands
+    them no index at all. Upstream's parameters are all random, `per_expert_scale` included."""
+    config = AutoConfig.for_model("gemma4_text", hidden_size=D, num_experts=E, top_k_experts=K, moe_intermediate_size=24, enable_moe_block=True)
+    torch.manual_seed(6)
+    router, experts = gemma4.Gemma4TextRouter(config), gemma4.Gemma4TextExperts(config)
+    with torch.no_grad():
+        for p in [*router.parameters(), *experts.parameters()]:
+            p.normal_(0, 0.5)
+    ctx = SwapContext(recipe=resolve_recipe("xnnpack", moe=strategy), max_seq_len=64)
+    new_router = MOE_FAMILIES["gemma4"][1](router, ctx)
+    new_experts = convert_generic_experts(experts, ctx)
+    x = torch.randn(16, D)
+    with torch.no_grad():
+        probabilities, weights, index = router(x)
+        expected = experts(x, index, weights)
+        new_probabilities, new_weights, new_index = new_router(x)
+        actual = new_experts(x, new_index, new_weights)
+    torch.testing.assert_close(new_probabilities, probabilities, atol=ATOL, rtol=0)
+    if strategy == "dense":
+        assert new_index is None and new_weights.shape == (16, E)
+        assert (new_weights - _dense((weights, index))).abs().max().item() <= ATOL
+    else:
+        assert (_dense((new_weights, new_index)) - _dense((weights, index))).abs().max().item() <= ATOL
+    assert not torch.allclose(router.per_expert_scale, torch.ones(E))
+    assert (actual - expected).abs().max().item() <= ATOL * max(1.0, expected.abs().max().item())
+
+
 def test_grouped_router_matches_upstream_and_keeps_to_chosen_groups():
     config = AutoConfig.for_model(
         "deepseek_v3", hidden_size=D, n_routed_experts=E, num_experts_per_tok=K, n_group=4, topk_group=2, routed_scaling_factor=2.5
@@ -252,6 +283,8 @@ def test_bad_blocks_are_refused():
     weight = torch.nn.Parameter(torch.randn(E, D))
     with pytest.raises(ValueError, match="top_k=9"):
         TopKRouter(weight, 9, renormalize=True)
+    with pytest.raises(ValueError, match="expert_scale has shape \\(4,\\)"):
+        TopKRouter(weight, K, renormalize=True, expert_scale=torch.nn.Parameter(torch.ones(4)))
     with pytest.raises(ValueError, match="n_group=3"):
         GroupedTopKRouter(weight, torch.zeros(E), K, n_group=3, topk_group=1, renormalize=True, routed_scaling_factor=1.0)
     with pytest.raises(ValueError, match="top_k=5"):

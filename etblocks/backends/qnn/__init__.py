@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from etblocks.backends.base import STATIC_IO, Backend
+from etblocks.backends.base import INT64_TENSORS, STATIC_IO, Backend
 from etblocks.backends.qnn.quantizer import PRECISIONS
 from etblocks.options import Option, Rejected, text
 
@@ -32,6 +32,7 @@ class Qnn(Backend):
     recipe = {**STATIC_IO, "attention": "sha", "linear": "conv2d", "moe": "dense"}
     activation_schemes = PRECISIONS
     default_activations = "16a8w"
+    limits = {INT64_TENSORS: "the Hexagon NPU (HTP) holds no int64 tensors"}
     options = (Option("chipset", ("export",), chipset, "the Snapdragon SoC to compile for (a QcomChipset name)", DEFAULT_CHIPSET, metavar="SOC"),)
 
     def unavailable_reason(self) -> str | None:

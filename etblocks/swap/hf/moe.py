@@ -100,6 +100,71 @@ def convert_gpt_oss_moe(module: nn.Module, ctx: SwapContext) -> HFMoEWithScores:
     return HFMoEWithScores(router, routed)
 
 
+class HFRouter(nn.Module):
+    """An etblocks `TopKRouter` where a family's decoder layer calls its own router and hands the result to its
+    generic experts (Gemma 4): `forward(hidden_states [N, D]) -> (probabilities [N, E], weights, index)`, the
+    family's contract. In the top-k form (`dense=False`) weights and index are `[N, k]`; in the dense form the
+    weights are `[N, E]`, zero outside the top-k, and the index is None, for `HFExperts`' dense strategy. The
+    probabilities (a softmax over every expert, what upstream records as router logits) are what the swap's probe
+    compares; the layers discard them, and export drops them. `prepare` maps the hidden states to the router's
+    input (Gemma 4 scales them first)."""
+
+    def __init__(self, router: TopKRouter, *, dense: bool, prepare: nn.Module | None = None) -> None:
+        super().__init__()
+        self.router = router
+        self.dense = dense
+        self.prepare = prepare
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        x = hidden_states if self.prepare is None else self.prepare(hidden_states)
+        logits = self.router.logits(x)
+        probabilities = torch.softmax(logits.float(), dim=-1)
+        if self.dense:
+            return probabilities, self.router.dense_of(logits), None
+        return probabilities, *self.router.top_k_of(logits)
+
+
+class Gemma4RouterInput(nn.Module):
+    """Gemma 4's router input: a scale-free RMSNorm (upstream's module), times a learned scale and `hidden**-0.5`,
+    in upstream's order of operations."""
+
+    def __init__(self, upstream: nn.Module) -> None:
+        super().__init__()
+        self.norm = upstream.norm
+        self.scale = upstream.scale
+        self.root_size = upstream.scalar_root_size
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.norm(hidden_states) * self.scale * self.root_size
+
+
+def convert_gemma4_router(module: nn.Module, ctx: SwapContext) -> HFRouter:
+    """Gemma 4: softmax over all experts, top-k, renormalised, times the chosen experts' `per_expert_scale`. Its
+    layer calls router and experts apart (on differently normalised inputs), so the router is converted alone,
+    in the strategy's form; left upstream, its `topk` index would be int64 in every program."""
+    router = TopKRouter(module.proj.weight, module.config.top_k_experts, renormalize=True, expert_scale=module.per_expert_scale)
+    return HFRouter(router, dense=ctx.recipe.moe == "dense", prepare=Gemma4RouterInput(module))
+
+
+def int64_index_users(replacements: list[tuple[str, nn.Module]]) -> list[tuple[str, str, str]]:
+    """`(name, why, remedy)` of the replacements whose programs would hold an int64 top-k index: experts of the
+    gather strategy, and generic experts fed by their family's router left upstream (no dense `HFRouter` beside
+    them)."""
+    routers = {name.rpartition(".")[0] for name, block in replacements if isinstance(block, HFRouter) and block.dense}
+    found = []
+    for name, block in replacements:
+        if any(isinstance(m, Experts) and m.routing == "topk" for m in block.modules()):
+            found.append((name, "its experts take the gather strategy, which picks them by top-k index", "swap with moe='dense'"))
+        elif isinstance(block, HFExperts) and name.rpartition(".")[0] not in routers:
+            found.append((
+                name,
+                "its family's router, which etblocks does not convert, hands it a top-k index",
+                "register a converter for that router returning an etblocks.swap.hf.moe.HFRouter (whose dense form "
+                "hands the experts no index)",
+            ))
+    return found
+
+
 def is_generic_experts(module: nn.Module) -> bool:
     """Whether `module` is a transformers experts module behind `ExpertsInterface` (`@use_experts_implementation`)."""
     return hasattr(module, "is_concatenated") and hasattr(module, "has_gate") and hasattr(module, "config")
@@ -107,9 +172,10 @@ def is_generic_experts(module: nn.Module) -> bool:
 
 class HFExperts(nn.Module):
     """etblocks experts called where transformers calls its generic experts module: `forward(hidden_states [N, D],
-    top_k_index [N, k], top_k_weights [N, k]) -> [N, D]`, the family's own router left in place. The dense strategy
-    spreads the top-k weights over all experts (`[N, E]`, zeros elsewhere) with a comparison, not a scatter, which
-    fixed-shape compilers take."""
+    top_k_index [N, k], top_k_weights [N, k]) -> [N, D]`, behind the family's router. The dense strategy spreads the
+    top-k weights over all experts (`[N, E]`, zeros elsewhere) with a comparison, not a scatter, which fixed-shape
+    compilers take. Behind an `HFRouter` in the dense strategy the index is None and the weights are that `[N, E]`
+    already: no int64 tensor anywhere, which NPUs such as Qualcomm HTP need."""
 
     def __init__(self, experts: Experts) -> None:
         super().__init__()
@@ -120,6 +186,8 @@ class HFExperts(nn.Module):
         weights = top_k_weights.to(hidden_states.dtype)
         if self.experts.routing == "topk":
             return self.experts(hidden_states, weights, top_k_index)
+        if top_k_index is None:
+            return self.experts(hidden_states, weights)
         dense = ((top_k_index[..., None] == self.expert_ids).to(weights.dtype) * weights[..., None]).sum(dim=1)
         return self.experts(hidden_states, dense)
 
@@ -172,7 +240,7 @@ def convert_generic_experts(module: nn.Module, ctx: SwapContext) -> HFExperts:
     return HFExperts(experts).to(gate_up.device)
 
 
-# model_type -> (MoE block class, converter)
+# model_type -> (upstream MoE block class, or the router class of a layer that calls router and experts apart; converter)
 MOE_FAMILIES = {
     "mixtral": ("MixtralSparseMoeBlock", convert_softmax_moe),
     "qwen2_moe": ("Qwen2MoeSparseMoeBlock", convert_softmax_moe),
@@ -185,6 +253,7 @@ MOE_FAMILIES = {
     "granitemoe": ("GraniteMoeMoE", convert_granite_moe),
     "granitemoeshared": ("GraniteMoeSharedMoE", convert_granite_moe),
     "granitemoehybrid": ("GraniteMoeHybridMoE", convert_granite_moe),
+    "gemma4": ("Gemma4TextRouter", convert_gemma4_router),
 }
 
 
