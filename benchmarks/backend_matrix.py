@@ -28,7 +28,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from sweeps import CRASHED, ROOT, add_sweep_args, git_commit, one_case_or_page, run_isolated, table_cell, versions
+from sweeps import CRASHED, ROOT, add_sweep_args, commit_label, git_commit, one_case_or_page, run_isolated, table_cell, versions
 
 RESULTS = ROOT / "benchmarks" / "results" / "backend_matrix.json"
 PAGE = ROOT / "docs" / "backend_matrix.md"
@@ -120,7 +120,7 @@ def render(results: dict) -> str:
     counts: dict[str, int] = {}
     for record in cells.values():
         counts[record["status"]] = counts.get(record["status"], 0) + 1
-    commits = sorted({str(record.get("git_commit"))[:10] for record in cells.values()})
+    commits = sorted({commit_label(record) for record in cells.values()})
     lines = [
         "# Families on every backend",
         "",
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     with ThreadPoolExecutor(args.jobs) as pool:
         records = pool.map(lambda key: run_isolated(Path(__file__), key, CELL_TIMEOUT_S), keys)
         for key, record in zip(keys, records):
-            results["cells"][key] = {**record, "git_commit": commit}
+            results["cells"][key] = {**record, "git_commit": commit["commit"], "git_dirty": commit["dirty"]}
             print(f"{key:40s} {record['status']:15s} {record.get('reason', '')[:150]}", flush=True)
     results.update(versions=installed, wall_s=round(time.perf_counter() - start))
     args.out.parent.mkdir(parents=True, exist_ok=True)

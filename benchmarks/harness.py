@@ -24,7 +24,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +39,7 @@ from etblocks.export.runner import run_method
 from etblocks.export.sampling import greedy_token
 from etblocks.ops import load_kernels
 from etblocks.threads import BLAS_THREADS_ENV, prefer_single_threaded_blas
+from sweeps import git_commit
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 BREAK_ROW_ENV = "ETBLOCKS_BENCH_BREAK_ROW"
@@ -1197,21 +1197,6 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, bool | None]:
     except OSError:
         pass
     return dict.fromkeys(CPU_FLAGS)
-
-
-def git_commit() -> dict[str, Any]:
-    """The commit of the etblocks checkout the benchmarks run from, and whether its tree has changes."""
-    root = Path(__file__).resolve().parents[1]
-
-    def git(*args: str) -> str | None:
-        try:
-            done = subprocess.run(["git", "-C", str(root), *args], check=False, capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return done.stdout.strip() if done.returncode == 0 else None
-
-    status = git("status", "--porcelain", "--untracked-files=no")
-    return {"commit": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status)}
 
 
 def run_info() -> dict[str, Any]:

@@ -24,7 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from sweeps import CRASHED, ROOT, add_sweep_args, git_commit, one_case_or_page, run_isolated, table_cell, versions
+from sweeps import CRASHED, ROOT, add_sweep_args, commit_label, git_commit, one_case_or_page, run_isolated, table_cell, versions
 
 RESULTS = ROOT / "benchmarks" / "results" / "support_matrix.json"
 PAGE = ROOT / "docs" / "transformers.md"
@@ -75,10 +75,10 @@ def run_family(model_type: str, workdir: Path) -> dict:
     return {**record, "status": OK}
 
 
-def with_run(record: dict, commit: str | None, transformers_version: str) -> dict:
-    """Each family keeps the commit and transformers version it ran with: a run over some families merges into an
-    earlier whole run."""
-    return {**record, "git_commit": commit, "transformers": transformers_version}
+def with_run(record: dict, commit: dict, transformers_version: str) -> dict:
+    """Each family keeps the commit (and whether the tree had changes) and transformers version it ran with: a run
+    over some families merges into an earlier whole run."""
+    return {**record, "git_commit": commit["commit"], "git_dirty": commit["dirty"], "transformers": transformers_version}
 
 
 def all_model_types() -> list[str]:
@@ -92,7 +92,7 @@ def runs(results: dict) -> list[str]:
     counted: dict[str, int] = {}
     for record in results["families"].values():
         version = record.get("transformers") or results["versions"]["transformers"]
-        key = f"{str(record.get('git_commit') or results.get('git_commit'))[:10]} with transformers {version}"
+        key = f"{commit_label(record if record.get('git_commit') else results)} with transformers {version}"
         counted[key] = counted.get(key, 0) + 1
     return [f"{c} ({n} families)" for c, n in sorted(counted.items(), key=lambda item: -item[1])]
 
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         for model_type, record in zip(model_types, records):
             results["families"][model_type] = with_run(record, commit, installed["transformers"])
             print(f"{model_type:28s} {record['status']:15s} {record.get('reason', '')[:150]}", flush=True)
-    results.update(versions=installed, git_commit=commit, wall_s=round(time.perf_counter() - start))
+    results.update(versions=installed, git_commit=commit["commit"], git_dirty=commit["dirty"], wall_s=round(time.perf_counter() - start))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     bugs = sorted(t for t, r in results["families"].items() if r["status"] in BUGS)

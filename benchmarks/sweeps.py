@@ -78,6 +78,21 @@ def versions() -> dict:
     return {name: version(name) for name in ("transformers", "torch", "executorch")}
 
 
-def git_commit() -> str | None:
-    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False)
-    return done.stdout.strip() or None
+def git_commit() -> dict:
+    """The commit of the etblocks checkout a run comes from, and whether its tracked files have changes (a run of
+    uncommitted code must not pass for the commit's)."""
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", str(ROOT), *args], check=False, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status)}
+
+
+def commit_label(record: dict) -> str:
+    """A record's commit as the pages show it: 10 hex digits, and "+ local changes" when the tree had some."""
+    return f"{str(record.get('git_commit'))[:10]}{' + local changes' if record.get('git_dirty') else ''}"
