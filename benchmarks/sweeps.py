@@ -80,7 +80,7 @@ def versions() -> dict:
 
 def git_commit() -> dict:
     """The commit of the etblocks checkout a run comes from, and whether its tracked files have changes (a run of
-    uncommitted code must not pass for the commit's)."""
+    uncommitted code must not pass for the commit's). Results files and docs do not count: runs write them."""
 
     def git(*args: str) -> str | None:
         try:
@@ -89,7 +89,7 @@ def git_commit() -> dict:
             return None
         return done.stdout.strip() if done.returncode == 0 else None
 
-    status = git("status", "--porcelain", "--untracked-files=no")
+    status = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results", ":!docs")
     return {"commit": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status)}
 
 
