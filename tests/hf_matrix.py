@@ -397,11 +397,12 @@ def config_kwargs(model_type: str) -> dict:
     return {k: v for k, v in {**BASE, **MATRIX[model_type]}.items() if not (isinstance(v, str) and v == DROP)}
 
 
-def tiny_config(model_type: str):
-    return AutoConfig.for_model(model_type, **config_kwargs(model_type))
+def tiny_config(model_type: str, **overrides):
+    return AutoConfig.for_model(model_type, **{**config_kwargs(model_type), **overrides})
 
 
-def tiny_matrix_model(model_type: str, seed: int = 0) -> torch.nn.Module:
-    config = tiny_config(model_type)
+def tiny_matrix_model(model_type: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    """The matrix's tiny model of `model_type`, its config's keys updated with `overrides`."""
+    config = tiny_config(model_type, **overrides)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config).eval()
