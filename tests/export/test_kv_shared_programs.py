@@ -1,8 +1,8 @@
 """KV-shared layers (Gemma 3n, Gemma 4) in static programs, against untouched transformers.
 
 The families (`KV_SHARED_FAMILIES`: four layers, sliding then full, twice; layers 2-3 reuse the keys and values
-of layers 0-1) are also `FAMILIES` entries: their eager parity and the dynamic XNNPACK tokens of the two dense ones
-are in `tests/swap/test_hf_families.py`. Here: the static contract holds one cache per source layer, the static program
+of layers 0-1) are also `FAMILIES` entries: their eager parity and Gemma 4's dynamic XNNPACK tokens are in
+`tests/swap/test_hf_families.py`. Here: the static contract holds one cache per source layer, the static program
 run eagerly matches transformers' logits (also in the qnn recipe's per-head form, whose 16a8w Gemma 4 programs have a
 QNN builder for every op), and the exported static programs generate transformers' greedy tokens for prompts a
 multiple of the chunk (16) and not (13), both longer than the window (6).
@@ -24,11 +24,11 @@ from etblocks.swap.hf.moe import HFRouter
 
 NEW_TOKENS = 32
 PROMPT_LENGTHS = (16, 13)
-# Exported static programs: every backend takes a family's reuse layers; Gemma 4 goes to XNNPACK and OpenVINO, Gemma
-# 3n to portable, the MoE variant (dense experts) to OpenVINO. Every family on every backend, and Gemma 3n's
-# dynamic XNNPACK program: `benchmarks/backend_matrix.py`.
-EXPORTED = [("gemma3n_text", "portable"), ("gemma4_text", "xnnpack"), ("gemma4_text", "openvino"),
-            ("gemma4_text_moe", "openvino")]
+# Exported static programs: every backend takes a family's reuse layers through the same static contract; Gemma 4
+# goes to OpenVINO with and without its MoE block (dense experts, the router's index-free form), Gemma 3n to
+# portable. Every family on every backend (Gemma 4 on XNNPACK's static program too), and Gemma 3n's dynamic XNNPACK
+# program: `benchmarks/backend_matrix.py`; Gemma 4's dynamic XNNPACK program: tests/swap/test_hf_families.py.
+EXPORTED = [("gemma3n_text", "portable"), ("gemma4_text", "openvino"), ("gemma4_text_moe", "openvino")]
 
 
 @pytest.mark.parametrize("name", sorted(KV_SHARED_FAMILIES))
