@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import FAMILIES, FEW_HEADS, KV_SHARED_FAMILIES, WINDOW, hf_greedy, prompt_ids, tiny_model
+from hf_models import FEW_HEADS, KV_SHARED_FAMILIES, WINDOW, hf_greedy, prompt_ids, tiny_model
 from static_refs import CHUNK, CONTEXT, eager_feeder, greedy, swap_static
 
 import etblocks
@@ -112,7 +112,7 @@ def test_qnn_programs_are_fully_covered():
     Gemma 4 only: Gemma 3n's attention converts by the same layout and converter (`families.py`: `VALUE_NORM`,
     `kv_shared_attention`), and what it adds (AltUp, LAuReL, per-layer inputs) is upstream's own code, which a check
     of its own would add minutes for. Gemma 4 without experts: `benchmarks/backend_matrix.py`."""
-    model_type, overrides = FAMILIES["gemma4_text_moe"]
+    model_type, overrides = KV_SHARED_FAMILIES["gemma4_text_moe"]
     model = tiny_model(model_type, **{**overrides, **FEW_HEADS})
     etblocks.swap(model, backend="qnn", max_seq_len=CONTEXT, chunk=CHUNK)
     assert any(isinstance(m, HFRouter) and m.dense for m in model.modules())
