@@ -326,18 +326,37 @@ def test_moe_top_k_index_on_a_backend_without_int64_is_refused():
         etblocks.swap(model, backend="qnn", max_seq_len=32, chunk=8, moe="gather")
     assert_untouched(model, snapshot)
 
-    model = tiny_matrix_model("ernie4_5_moe")
+    model = tiny_matrix_model("cohere2_moe")
     snapshot = snapshot_of(model)
     with pytest.raises(
         UnsupportedModelError,
-        match=r"model\.layers\.\d+\.mlp\.experts \(Ernie4_5_MoeExperts\): its family's router, which etblocks does "
-        r"not convert, hands it a top-k index.*Register a converter for that router returning an "
-        r"etblocks\.swap\.hf\.moe\.HFRouter.*or swap for one of \[.*'openvino'.*\]",
+        match=r"model\.layers\.\d+\.mlp\.experts \(Cohere2MoeExperts\): its family's router, which etblocks does "
+        r"not convert, hands it a top-k index.*Register a converter for the family's MoE block returning an "
+        r"etblocks\.moe\.MoE.*or for its router returning an etblocks\.swap\.hf\.moe\.HFRouter.*"
+        r"or swap for one of \[.*'openvino'.*\]",
     ):
         etblocks.swap(model, backend="qnn", max_seq_len=32, chunk=8)
     assert_untouched(model, snapshot)
     etblocks.swap(model, backend="openvino", max_seq_len=32, chunk=8)
     assert "experts" in {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if type(m).__name__ == "HFExperts"}
+
+
+def test_moe_blocks_with_their_routers_in_etblocks_form_swap_for_qnn():
+    """ERNIE 4.5 and LFM2-MoE keep routers of their own (a correction bias; sigmoid scores) in front of transformers'
+    generic experts: their blocks convert whole, so the qnn recipe's dense strategy holds no top-k index and the
+    swap succeeds where it refused them before the routers had etblocks' form."""
+    from hf_matrix import tiny_matrix_model
+
+    from etblocks.moe import DenseExperts, GroupedTopKRouter, MoE
+    from etblocks.swap.hf.moe import HFExperts
+
+    for model_type in ("ernie4_5_moe", "lfm2_moe"):
+        model = tiny_matrix_model(model_type)
+        etblocks.swap(model, backend="qnn", max_seq_len=32, chunk=8)
+        blocks = [m for m in model.modules() if isinstance(m, MoE)]
+        assert blocks, model_type
+        assert all(isinstance(b.router, GroupedTopKRouter) and isinstance(b.experts, DenseExperts) for b in blocks)
+        assert not any(isinstance(m, HFExperts) for m in model.modules()), model_type
 
 
 def test_moe_probe_catches_a_block_that_computes_something_else():

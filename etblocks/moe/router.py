@@ -86,11 +86,11 @@ class TopKRouter(nn.Module):
 
 
 class GroupedTopKRouter(nn.Module):
-    """DeepSeek's group-limited router, scores in fp32: `scoring="sigmoid"` (V3) or `"softmax"` (V2). Experts are
-    chosen on `score + e_score_correction_bias` (V3; None for V2) within the `topk_group` best of `n_group`
-    groups, a group scoring the sum of its best `group_top` (V3: 2; V2: 1, the max); they are weighted by the plain
-    scores, optionally renormalised, then scaled by `routed_scaling_factor`. `n_group=1` is plain top-k (V2's
-    "greedy").
+    """Top-k on scores in fp32, `scoring="sigmoid"` (DeepSeek-V3, GLM-4.5, LFM2-MoE, MiniMax-M2) or `"softmax"`
+    (DeepSeek-V2, ERNIE 4.5). Experts are chosen on `score + e_score_correction_bias` (None: on the score) within
+    the `topk_group` best of `n_group` groups, a group scoring the sum of its best `group_top` (V3: 2; V2: 1, the
+    max); they are weighted by the plain scores, optionally renormalised by `max(sum + norm_eps, norm_min)` (each
+    family's own epsilon or floor), then scaled by `routed_scaling_factor`. `n_group=1` is plain top-k.
 
     `x [N, D] -> (weights fp32 [N, k], indices [N, k])`.
     """
@@ -107,6 +107,8 @@ class GroupedTopKRouter(nn.Module):
         routed_scaling_factor: float,
         scoring: Literal["sigmoid", "softmax"] = "sigmoid",
         group_top: int = 2,
+        norm_eps: float = 1e-20,
+        norm_min: float | None = None,
     ) -> None:
         super().__init__()
         n_experts = weight.shape[0]
@@ -125,6 +127,8 @@ class GroupedTopKRouter(nn.Module):
         self.routed_scaling_factor = routed_scaling_factor
         self.scoring = scoring
         self.group_top = min(group_top, n_experts // n_group)
+        self.norm_eps = norm_eps
+        self.norm_min = norm_min
 
     @property
     def n_experts(self) -> int:
@@ -156,5 +160,6 @@ class GroupedTopKRouter(nn.Module):
 
     def _finish(self, weights: torch.Tensor) -> torch.Tensor:
         if self.renormalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            total = weights.sum(dim=-1, keepdim=True) + self.norm_eps
+            weights = weights / (total if self.norm_min is None else total.clamp(min=self.norm_min))
         return weights * self.routed_scaling_factor

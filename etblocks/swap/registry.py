@@ -49,14 +49,23 @@ class Registry:
     def __init__(self) -> None:
         self._converters: dict[type | str, Converter] = {}
         self._different_output: set[type | str] = set()
+        self._when: dict[type | str, Callable[[nn.Module], bool]] = {}
 
-    def register(self, *upstream: type | str, same_output: bool = True, replace: bool = True) -> Callable[[Converter], Converter]:
+    def register(
+        self,
+        *upstream: type | str,
+        same_output: bool = True,
+        replace: bool = True,
+        when: Callable[[nn.Module], bool] | None = None,
+    ) -> Callable[[Converter], Converter]:
         """Decorator: `@registry.register(LlamaAttention)` makes the function the converter for that class.
 
         `same_output=False` marks a replacement that returns another representation of its original's result
         (a real rotary table for a complex one), so `swap` checks it through its consumers instead of directly.
         `replace=False` keeps a converter already registered for the class (etblocks' own families never
-        override one a user registered).
+        override one a user registered). `when(module)` limits the converter to the instances it accepts; lookup
+        passes over the others as if the class had none (a MoE block whose experts etblocks cannot read stays
+        upstream).
         """
 
         def decorate(converter: Converter) -> Converter:
@@ -64,8 +73,12 @@ class Registry:
                 if not replace and key in self._converters:
                     continue
                 self._converters[key] = converter
+                self._different_output.discard(key)
+                self._when.pop(key, None)
                 if not same_output:
                     self._different_output.add(key)
+                if when is not None:
+                    self._when[key] = when
             return converter
 
         return decorate
@@ -76,7 +89,10 @@ class Registry:
             yield qualified_name(cls)
 
     def lookup(self, module: nn.Module) -> Converter | None:
-        return next((self._converters[key] for key in self._keys(module) if key in self._converters), None)
+        for key in self._keys(module):
+            if key in self._converters and (key not in self._when or self._when[key](module)):
+                return self._converters[key]
+        return None
 
     def same_output(self, module: nn.Module) -> bool:
         return not any(key in self._different_output for key in self._keys(module))

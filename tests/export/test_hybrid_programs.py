@@ -28,6 +28,7 @@ from etblocks.backends.qnn.readiness import format_readiness
 from etblocks.errors import UnsupportedModelError
 from etblocks.export import check_readiness
 from etblocks.export.programs import static_program
+from etblocks.moe import MoE
 from etblocks.swap.hf.adapter import HFAttention, HFGatedDeltaNet, HFMamba2, HFShortConv
 
 NEW_TOKENS = 32
@@ -144,13 +145,15 @@ def test_qnn_programs_are_fully_covered(name):
 
 
 def test_families_with_the_same_layers_convert_by_layout():
-    """LFM2-MoE has no converter of its own: its short convolutions convert by their layout, its attention by the
-    structural fallback (`out_proj`, per-head q/k layer norms); experts through transformers' exportable kernel."""
+    """LFM2-MoE has no layer converter of its own: its short convolutions convert by their layout, its attention by
+    the structural fallback (`out_proj`, per-head q/k layer norms); its MoE block by its router's converter
+    (sigmoid scores chosen with the block's expert bias), against upstream's exportable experts kernel."""
     original = tiny_model("lfm2_moe", **HYBRID_FAMILIES["lfm2"][1], num_experts=4, moe_intermediate_size=32, num_dense_layers=0, **MOE)
     original.set_experts_implementation("batched_mm")
     swapped = etblocks.swap(copy.deepcopy(original), backend="xnnpack", max_seq_len=CONTEXT)
     assert isinstance(swapped.model.layers[0].conv, HFShortConv)
     assert isinstance(swapped.model.layers[1].self_attn, HFAttention)
+    assert isinstance(swapped.model.layers[0].feed_forward, MoE)
     prompt = prompt_ids(20)
     with torch.no_grad():
         assert (swapped(prompt).logits - original(prompt).logits).abs().max().item() <= LOGIT_ATOL

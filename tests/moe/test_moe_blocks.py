@@ -4,6 +4,7 @@ each strategy leaves on CPU after XNNPACK lowering."""
 from __future__ import annotations
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -52,11 +53,32 @@ UPSTREAM = {
     ),
     "gpt_oss": (gpt_oss.GptOssMLP, dict(num_local_experts=E, intermediate_size=24)),
 }
+# Families whose own router sits in front of transformers' generic experts, converted whole (their routers in
+# etblocks' form, so the dense strategy holds no int64 index): model_type -> (block class name, config overrides)
+ROUTED = {
+    "glm4_moe": ("Glm4MoeMoE", dict(n_routed_experts=E, moe_intermediate_size=24, n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5)),
+    "dots1": ("Dots1MoE", dict(n_routed_experts=E, moe_intermediate_size=24, n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5)),
+    "solar_open": ("SolarOpenMoE", dict(n_routed_experts=E, moe_intermediate_size=24, n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=1.5)),
+    "exaone_moe": ("ExaoneMoeSparseMoEBlock", dict(num_experts=E, moe_intermediate_size=24, n_group=2, topk_group=1, num_shared_experts=1, routed_scaling_factor=2.5)),
+    "ernie4_5_moe": ("Ernie4_5_MoeSparseMoeBlock", dict(moe_num_experts=E, moe_k=K, moe_intermediate_size=24, moe_num_shared_experts=1)),
+    "lfm2_moe": ("Lfm2MoeSparseMoeBlock", dict(num_experts=E, moe_intermediate_size=24, routed_scaling_factor=1.5, norm_topk_prob=True)),
+    "minimax_m2": ("MiniMaxM2SparseMoeBlock", dict(num_local_experts=E, intermediate_size=24)),
+    "flint": ("FlintSparseMoeBlock", dict(num_experts=E, moe_intermediate_size=24, shared_expert_intermediate_size=40, norm_topk_prob=True)),
+    "flex_olmo": ("FlexOlmoSparseMoeBlock", dict(num_experts=E, intermediate_size=24, norm_topk_prob=False)),
+    "mellum": ("MellumSparseMoeBlock", dict(num_experts=E, moe_intermediate_size=24, norm_topk_prob=True)),
+    "lara_mini": ("LaraMiniSparseMoeBlock", dict(num_experts=E, moe_intermediate_size=24, shared_expert_intermediate_size=40, norm_topk_prob=True)),
+    "hunyuan_v1_moe": ("HunYuanMoEV1Moe", dict(num_experts=E, moe_topk=K, intermediate_size=24)),
+    "granitemoe_swa": ("GraniteMoeSWAMoE", dict(num_local_experts=E, intermediate_size=24)),
+}
 
 
 def upstream_moe(model_type: str, seed: int = 0) -> torch.nn.Module:
     """A transformers MoE block with every parameter and buffer random (std 0.5), so routing and biases matter."""
-    cls, overrides = UPSTREAM[model_type]
+    if model_type in ROUTED:
+        name, overrides = ROUTED[model_type]
+        cls = getattr(importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}"), name)
+    else:
+        cls, overrides = UPSTREAM[model_type]
     config = AutoConfig.for_model(model_type, hidden_size=D, num_experts_per_tok=K, **overrides)
     return upstream_moe_from(cls, config, seed)
 
@@ -80,7 +102,7 @@ def first(output):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("model_type", sorted(UPSTREAM))
+@pytest.mark.parametrize("model_type", sorted([*UPSTREAM, *ROUTED]))
 def test_moe_matches_upstream(model_type, strategy):
     upstream = upstream_moe(model_type)
     block = convert(upstream, model_type, strategy)
@@ -297,3 +319,23 @@ def test_bad_blocks_are_refused():
         MoE(TopKRouter(weight, K, renormalize=True), GatherExperts.from_weights(
             torch.randn(E, 16, D), torch.randn(E, 16, D), torch.randn(E, D, 16), activation=SwiGLU()),
             shared_expert_gate=torch.nn.Linear(D, 1))
+
+
+def test_grouped_router_renormalises_with_the_familys_epsilon_and_floor():
+    """`norm_eps` is added to the chosen scores' sum and `norm_min` floors it (ERNIE's `moe_norm_min`), in both forms:
+    against the scores computed here with plain torch."""
+    torch.manual_seed(7)
+    weight = torch.nn.Parameter(torch.randn(E, D))
+    x = torch.randn(6, D)
+    scores = torch.softmax(x @ weight.T, dim=-1)
+    top = scores.topk(K).values
+    for eps, floor, denominator in ((0.5, None, top.sum(-1, keepdim=True) + 0.5), (0.0, 3.0, torch.full((6, 1), 3.0))):
+        router = GroupedTopKRouter(
+            weight, None, K, n_group=1, topk_group=1, renormalize=True, routed_scaling_factor=1.0, scoring="softmax",
+            norm_eps=eps, norm_min=floor,
+        )
+        with torch.no_grad():
+            weights, _ = router(x)
+            dense = router.dense_weights(x)
+        torch.testing.assert_close(weights.sort(-1).values, (top / denominator).sort(-1).values, atol=1e-6, rtol=0)
+        torch.testing.assert_close(dense.sort(-1).values[:, -K:], (top / denominator).sort(-1).values, atol=1e-6, rtol=0)

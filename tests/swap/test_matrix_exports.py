@@ -29,7 +29,8 @@ EXPORTED = {
     "gpt2": "Conv1D projections, positions handed over from the model's call",
     "gpt_bigcode": "fused multi-query qkv in blocks",
     "bert": "BERT's inner self-attention without an output projection",
-    "ernie4_5_moe": "generic experts (gather) behind the family's router",
+    "cohere2_moe": "generic experts (gather) behind the family's router",
+    "ernie4_5_moe": "ERNIE's router in etblocks' form (a softmax, a correction bias, a floored sum), shared experts",
     "aria_text": "generic experts stored transposed",
     "nanochat": "rope rotated the other way, weightless q/k norms",
     "afmoe": "a sigmoid output gate from its own projection, generic experts",
@@ -59,7 +60,7 @@ def test_fallback_and_generic_paths_export_token_exact(model_type, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["ernie4_5_moe", "gpt_neox"])
+@pytest.mark.parametrize("model_type", ["cohere2_moe", "gpt_neox"])
 def test_static_programs_of_generic_paths_are_token_exact(model_type, tmp_path):
     """OpenVINO's static program: dense generic experts from the router's top-k; fused per-head qkv."""
     expected, actual = _exported_tokens(model_type, "openvino", tmp_path)

@@ -141,8 +141,8 @@ class TransformersKind(ModelKind):
             raise UnsupportedModelError(
                 f"{name} ({type(module).__name__}) is a transformers MoE experts module etblocks does not convert "
                 f"(has_gate={module.has_gate}, has_post_expert_norm={module.has_post_expert_norm}), and "
-                f"experts_implementation={implementation!r} does not export. MoE blocks etblocks converts: "
-                f"{sorted(block for block, _ in MOE_FAMILIES.values())}; register a converter for its block with "
+                f"experts_implementation={implementation!r} does not export. MoE blocks etblocks converts (experts "
+                f"it reads): {sorted(block for block, _ in MOE_FAMILIES.values())}; register a converter for its block with "
                 f"etblocks.swap.registry.MODULES.register, or call model.set_experts_implementation("
                 f"{EXPORTABLE_EXPERTS[0]!r}) to export transformers' own kernel (a per-token gather of the top-k "
                 "experts, with the upstream router)."

@@ -24,30 +24,33 @@ class HFMoEWithScores(MoE):
         return super().forward(x), None
 
 
-def _experts(upstream: nn.Module, ctx: SwapContext) -> Experts:
-    """Mixtral-style fused experts: `gate_up_proj [E, 2I, D]` (gate rows first), `down_proj [E, D, I]`."""
-    gate, up = upstream.gate_up_proj.detach().chunk(2, dim=1)
-    return EXPERT_STRATEGIES[ctx.recipe.moe].from_weights(gate, up, upstream.down_proj.detach(), activation=SwiGLU(upstream.act_fn))
+def _shared(module: nn.Module) -> nn.Module | None:
+    """The block's shared expert, added ungated to the routed experts' output (each family names it its own way)."""
+    return next((getattr(module, name) for name in ("shared_experts", "shared_expert", "shared_mlp") if getattr(module, name, None) is not None), None)
 
 
 def convert_softmax_moe(module: nn.Module, ctx: SwapContext) -> MoE:
-    """Mixtral and Qwen3.5-MoE (always renormalised), Qwen2-MoE (gated shared expert), Qwen3-MoE and OLMoE
-    (`norm_topk_prob`)."""
+    """Softmax over the experts, top-k, renormalised where the router says so (`norm_topk_prob`; Mixtral, Qwen3.5-
+    MoE and HunYuan always): Mixtral, Qwen2-MoE (its shared expert gated), Qwen3-MoE, OLMoE, FlexOlmo, Mellum,
+    Lara-mini, HunYuan-MoE (their shared expert, if any, ungated)."""
     gate = module.gate
-    router = TopKRouter(gate.weight, gate.top_k, renormalize=getattr(gate, "norm_topk_prob", True))
-    return MoE(router, _experts(module.experts, ctx), getattr(module, "shared_expert", None), getattr(module, "shared_expert_gate", None))
+    weight = gate.wg.weight if hasattr(gate, "wg") else gate.weight
+    router = TopKRouter(weight, gate.top_k, renormalize=getattr(gate, "norm_topk_prob", True))
+    return MoE(router, generic_experts(module.experts, ctx), _shared(module), getattr(module, "shared_expert_gate", None))
 
 
 def convert_granite_moe(module: nn.Module, ctx: SwapContext) -> MoE:
-    """Granite MoE, MoE-shared and 4.0-H: a softmax over the top-k router logits and Mixtral's fused experts (the
-    shared MLP is the decoder layer's). Converted whole, not as generic experts behind the family's router: that
-    router's `topk` indices are int64, which NPUs such as Qualcomm HTP do not hold, and the dense strategy needs
-    none (`TopKRouter.dense_weights`)."""
+    """Granite MoE, MoE-shared, 4.0-H and SWA: a softmax over the top-k router logits (the shared MLP is the decoder
+    layer's). Converted whole, not as generic experts behind the family's router: that router's `topk` indices are
+    int64, which NPUs such as Qualcomm HTP do not hold, and the dense strategy needs none
+    (`TopKRouter.dense_weights`); so are the families below."""
     router = TopKRouter(module.router.weight, module.router.top_k, renormalize=True)
-    return MoE(router, _experts(module.experts, ctx))
+    return MoE(router, generic_experts(module.experts, ctx))
 
 
 def convert_deepseek_v3_moe(module: nn.Module, ctx: SwapContext) -> MoE:
+    """Sigmoid scores, chosen with a correction bias within the best groups, renormalised, scaled; ungated shared
+    experts: DeepSeek-V3 and the families that copy its router (GLM-4.5, dots1, Solar Open, EXAONE-MoE)."""
     gate = module.gate
     router = GroupedTopKRouter(
         gate.weight,
@@ -58,7 +61,7 @@ def convert_deepseek_v3_moe(module: nn.Module, ctx: SwapContext) -> MoE:
         renormalize=gate.norm_topk_prob,
         routed_scaling_factor=gate.routed_scaling_factor,
     )
-    return MoE(router, _experts(module.experts, ctx), module.shared_experts)
+    return MoE(router, generic_experts(module.experts, ctx), module.shared_experts)
 
 
 def convert_deepseek_v2_moe(module: nn.Module, ctx: SwapContext) -> MoE:
@@ -79,7 +82,54 @@ def convert_deepseek_v2_moe(module: nn.Module, ctx: SwapContext) -> MoE:
         scoring="softmax",
         group_top=1,
     )
-    return MoE(router, _experts(module.experts, ctx), module.shared_experts)
+    return MoE(router, generic_experts(module.experts, ctx), module.shared_experts)
+
+
+def _sigmoid_router(gate: nn.Module, bias: torch.Tensor | None, *, renormalize: bool, norm_eps: float, scale: float = 1.0) -> GroupedTopKRouter:
+    """Sigmoid scores over all experts (no groups), chosen on `score + bias`."""
+    return GroupedTopKRouter(
+        gate.weight, bias, gate.top_k, n_group=1, topk_group=1, renormalize=renormalize, routed_scaling_factor=scale, norm_eps=norm_eps
+    )
+
+
+def convert_lfm2_moe(module: nn.Module, ctx: SwapContext) -> MoE:
+    """LFM2-MoE: sigmoid scores, chosen with the block's `expert_bias` when it uses one, renormalised (+1e-6) where
+    `norm_topk_prob`, scaled by `routed_scaling_factor`."""
+    gate = module.gate
+    bias = module.expert_bias if module.use_expert_bias else None
+    router = _sigmoid_router(gate, bias, renormalize=gate.norm_topk_prob, norm_eps=1e-6, scale=gate.routed_scaling_factor)
+    return MoE(router, generic_experts(module.experts, ctx))
+
+
+def convert_minimax_m2_moe(module: nn.Module, ctx: SwapContext) -> MoE:
+    """MiniMax-M2: sigmoid scores, chosen with the block's correction bias, always renormalised."""
+    router = _sigmoid_router(module.gate, module.e_score_correction_bias, renormalize=True, norm_eps=0.0)
+    return MoE(router, generic_experts(module.experts, ctx))
+
+
+def convert_flint_moe(module: nn.Module, ctx: SwapContext) -> MoE:
+    """Flint: sigmoid scores without a bias, renormalised where `norm_topk_prob`; an ungated shared expert."""
+    router = _sigmoid_router(module.gate, None, renormalize=module.gate.norm_topk_prob, norm_eps=0.0)
+    return MoE(router, generic_experts(module.experts, ctx), _shared(module))
+
+
+def convert_ernie4_5_moe(module: nn.Module, ctx: SwapContext) -> MoE:
+    """ERNIE 4.5: a softmax over the experts (fp32), chosen with a correction bias, renormalised by the sum
+    clamped below at `moe_norm_min`; ungated shared experts when the config has them."""
+    gate = module.gate
+    router = GroupedTopKRouter(
+        gate.weight,
+        gate.moe_statics.e_score_correction_bias.detach().reshape(-1),
+        gate.top_k,
+        n_group=1,
+        topk_group=1,
+        renormalize=True,
+        routed_scaling_factor=1.0,
+        scoring="softmax",
+        norm_eps=0.0,
+        norm_min=gate.norm_min,
+    )
+    return MoE(router, generic_experts(module.experts, ctx), _shared(module))
 
 
 def convert_gpt_oss_moe(module: nn.Module, ctx: SwapContext) -> HFMoEWithScores:
@@ -159,8 +209,9 @@ def int64_index_users(replacements: list[tuple[str, nn.Module]]) -> list[tuple[s
             found.append((
                 name,
                 "its family's router, which etblocks does not convert, hands it a top-k index",
-                "register a converter for that router returning an etblocks.swap.hf.moe.HFRouter (whose dense form "
-                "hands the experts no index)",
+                "register a converter for the family's MoE block returning an etblocks.moe.MoE (router and experts "
+                "in etblocks' form, as etblocks.swap.hf.moe.MOE_FAMILIES does), or for its router returning an "
+                "etblocks.swap.hf.moe.HFRouter (whose dense form hands the experts no index)",
             ))
     return found
 
@@ -223,7 +274,9 @@ def _gate_and_up(tensor: torch.Tensor, concatenated: bool) -> tuple[torch.Tensor
     return tuple(tensor.chunk(2, dim=1)) if concatenated else (tensor[:, 0::2], tensor[:, 1::2])
 
 
-def convert_generic_experts(module: nn.Module, ctx: SwapContext) -> HFExperts:
+def generic_experts(module: nn.Module, ctx: SwapContext) -> Experts:
+    """etblocks experts in the recipe's strategy from a transformers generic experts module, in any of its layouts
+    (gate and up concatenated or interleaved, transposed or not, with or without biases, the family's own gate)."""
     from transformers.integrations.moe import _default_apply_gate
 
     gate_up, down = module.gate_up_proj.detach(), module.down_proj.detach()
@@ -236,8 +289,11 @@ def convert_generic_experts(module: nn.Module, ctx: SwapContext) -> HFExperts:
         biases = dict(gate_bias=gate_bias, up_bias=up_bias, down_bias=module.down_proj_bias.detach())
     default_gate = getattr(type(module), "_apply_gate", _default_apply_gate) is _default_apply_gate
     activation = SwiGLU(module.act_fn) if default_gate else UpstreamGate(module)
-    experts = EXPERT_STRATEGIES[ctx.recipe.moe].from_weights(gate, up, down, activation=activation, **biases)
-    return HFExperts(experts).to(gate_up.device)
+    return EXPERT_STRATEGIES[ctx.recipe.moe].from_weights(gate, up, down, activation=activation, **biases).to(gate_up.device)
+
+
+def convert_generic_experts(module: nn.Module, ctx: SwapContext) -> HFExperts:
+    return HFExperts(generic_experts(module, ctx))
 
 
 # model_type -> (upstream MoE block class, or the router class of a layer that calls router and experts apart; converter)
@@ -247,16 +303,37 @@ MOE_FAMILIES = {
     "qwen3_moe": ("Qwen3MoeSparseMoeBlock", convert_softmax_moe),
     "qwen3_5_moe": ("Qwen3_5MoeSparseMoeBlock", convert_softmax_moe),
     "olmoe": ("OlmoeSparseMoeBlock", convert_softmax_moe),
+    "flex_olmo": ("FlexOlmoSparseMoeBlock", convert_softmax_moe),
+    "mellum": ("MellumSparseMoeBlock", convert_softmax_moe),
+    "lara_mini": ("LaraMiniSparseMoeBlock", convert_softmax_moe),
+    "hunyuan_v1_moe": ("HunYuanMoEV1Moe", convert_softmax_moe),
     "deepseek_v2": ("DeepseekV2Moe", convert_deepseek_v2_moe),
     "deepseek_v3": ("DeepseekV3MoE", convert_deepseek_v3_moe),
+    "glm4_moe": ("Glm4MoeMoE", convert_deepseek_v3_moe),
+    "dots1": ("Dots1MoE", convert_deepseek_v3_moe),
+    "solar_open": ("SolarOpenMoE", convert_deepseek_v3_moe),
+    "exaone_moe": ("ExaoneMoeSparseMoEBlock", convert_deepseek_v3_moe),
+    "ernie4_5_moe": ("Ernie4_5_MoeSparseMoeBlock", convert_ernie4_5_moe),
+    "lfm2_moe": ("Lfm2MoeSparseMoeBlock", convert_lfm2_moe),
+    "minimax_m2": ("MiniMaxM2SparseMoeBlock", convert_minimax_m2_moe),
+    "flint": ("FlintSparseMoeBlock", convert_flint_moe),
     "gpt_oss": ("GptOssMLP", convert_gpt_oss_moe),
     "granitemoe": ("GraniteMoeMoE", convert_granite_moe),
     "granitemoeshared": ("GraniteMoeSharedMoE", convert_granite_moe),
     "granitemoehybrid": ("GraniteMoeHybridMoE", convert_granite_moe),
+    "granitemoe_swa": ("GraniteMoeSWAMoE", convert_granite_moe),
     "gemma4": ("Gemma4TextRouter", convert_gemma4_router),
 }
 
 
+def reads_its_experts(block: nn.Module) -> bool:
+    """Whether etblocks reads `block`'s experts: not when they are transformers' generic experts in a form etblocks'
+    experts do not compute (no gate, a norm after each expert). Such a block stays upstream, where
+    `TransformersKind.check` asks for an experts implementation that exports."""
+    experts = getattr(block, "experts", None)
+    return experts is None or not is_generic_experts(experts) or generic_experts_layout(experts) is not None
+
+
 def register_moe_families() -> None:
     for model_type, (class_name, converter) in MOE_FAMILIES.items():
-        MODULES.register(upstream_class(model_type, class_name), replace=False)(converter)
+        MODULES.register(upstream_class(model_type, class_name), replace=False, when=reads_its_experts)(converter)
