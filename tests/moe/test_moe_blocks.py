@@ -63,6 +63,8 @@ ROUTED = {
     "ernie4_5_moe": ("Ernie4_5_MoeSparseMoeBlock", dict(moe_num_experts=E, moe_k=K, moe_intermediate_size=24, moe_num_shared_experts=1)),
     "lfm2_moe": ("Lfm2MoeSparseMoeBlock", dict(num_experts=E, moe_intermediate_size=24, routed_scaling_factor=1.5, norm_topk_prob=True)),
     "minimax_m2": ("MiniMaxM2SparseMoeBlock", dict(num_local_experts=E, intermediate_size=24)),
+    "hy_v3": ("HYV3MoE", dict(num_local_experts=E, moe_intermediate_size=24, num_shared_experts=1, router_scaling_factor=2.5)),
+    "afmoe": ("AfmoeSparseMoeBlock", dict(num_experts=E, moe_intermediate_size=24, num_shared_experts=1, route_scale=1.5)),
     "flint": ("FlintSparseMoeBlock", dict(num_experts=E, moe_intermediate_size=24, shared_expert_intermediate_size=40, norm_topk_prob=True)),
     "flex_olmo": ("FlexOlmoSparseMoeBlock", dict(num_experts=E, intermediate_size=24, norm_topk_prob=False)),
     "mellum": ("MellumSparseMoeBlock", dict(num_experts=E, moe_intermediate_size=24, norm_topk_prob=True)),

@@ -85,10 +85,12 @@ def convert_deepseek_v2_moe(module: nn.Module, ctx: SwapContext) -> MoE:
     return MoE(router, generic_experts(module.experts, ctx), module.shared_experts)
 
 
-def _sigmoid_router(gate: nn.Module, bias: torch.Tensor | None, *, renormalize: bool, norm_eps: float, scale: float = 1.0) -> GroupedTopKRouter:
+def _sigmoid_router(
+    weight: torch.Tensor, top_k: int, bias: torch.Tensor | None, *, renormalize: bool, norm_eps: float, scale: float = 1.0
+) -> GroupedTopKRouter:
     """Sigmoid scores over all experts (no groups), chosen on `score + bias`."""
     return GroupedTopKRouter(
-        gate.weight, bias, gate.top_k, n_group=1, topk_group=1, renormalize=renormalize, routed_scaling_factor=scale, norm_eps=norm_eps
+        weight, bias, top_k, n_group=1, topk_group=1, renormalize=renormalize, routed_scaling_factor=scale, norm_eps=norm_eps
     )
 
 
@@ -97,19 +99,39 @@ def convert_lfm2_moe(module: nn.Module, ctx: SwapContext) -> MoE:
     `norm_topk_prob`, scaled by `routed_scaling_factor`."""
     gate = module.gate
     bias = module.expert_bias if module.use_expert_bias else None
-    router = _sigmoid_router(gate, bias, renormalize=gate.norm_topk_prob, norm_eps=1e-6, scale=gate.routed_scaling_factor)
+    router = _sigmoid_router(gate.weight, gate.top_k, bias, renormalize=gate.norm_topk_prob, norm_eps=1e-6, scale=gate.routed_scaling_factor)
     return MoE(router, generic_experts(module.experts, ctx))
 
 
 def convert_minimax_m2_moe(module: nn.Module, ctx: SwapContext) -> MoE:
     """MiniMax-M2: sigmoid scores, chosen with the block's correction bias, always renormalised."""
-    router = _sigmoid_router(module.gate, module.e_score_correction_bias, renormalize=True, norm_eps=0.0)
+    router = _sigmoid_router(module.gate.weight, module.gate.top_k, module.e_score_correction_bias, renormalize=True, norm_eps=0.0)
     return MoE(router, generic_experts(module.experts, ctx))
+
+
+def convert_hy_v3_moe(module: nn.Module, ctx: SwapContext) -> MoE:
+    """Hy-V3: MiniMax-M2's router (+1e-20) scaled by `router_scaling_factor`; ungated shared experts."""
+    gate = module.gate
+    router = _sigmoid_router(
+        gate.weight, gate.top_k, module.e_score_correction_bias, renormalize=True, norm_eps=1e-20, scale=gate.router_scaling_factor
+    )
+    return MoE(router, generic_experts(module.experts, ctx), _shared(module))
+
+
+def convert_afmoe_moe(module: nn.Module, ctx: SwapContext) -> MoE:
+    """AFMoE: sigmoid scores chosen with the block's `expert_bias`, renormalised (+1e-20), times `route_scale`;
+    ungated shared experts."""
+    router = module.router
+    scores = _sigmoid_router(
+        router.gate.weight, router.top_k, module.expert_bias.detach(), renormalize=True, norm_eps=1e-20, scale=router.route_scale
+    )
+    return MoE(scores, generic_experts(module.experts, ctx), _shared(module))
 
 
 def convert_flint_moe(module: nn.Module, ctx: SwapContext) -> MoE:
     """Flint: sigmoid scores without a bias, renormalised where `norm_topk_prob`; an ungated shared expert."""
-    router = _sigmoid_router(module.gate, None, renormalize=module.gate.norm_topk_prob, norm_eps=0.0)
+    gate = module.gate
+    router = _sigmoid_router(gate.weight, gate.top_k, None, renormalize=gate.norm_topk_prob, norm_eps=0.0)
     return MoE(router, generic_experts(module.experts, ctx), _shared(module))
 
 
@@ -316,6 +338,8 @@ MOE_FAMILIES = {
     "ernie4_5_moe": ("Ernie4_5_MoeSparseMoeBlock", convert_ernie4_5_moe),
     "lfm2_moe": ("Lfm2MoeSparseMoeBlock", convert_lfm2_moe),
     "minimax_m2": ("MiniMaxM2SparseMoeBlock", convert_minimax_m2_moe),
+    "hy_v3": ("HYV3MoE", convert_hy_v3_moe),
+    "afmoe": ("AfmoeSparseMoeBlock", convert_afmoe_moe),
     "flint": ("FlintSparseMoeBlock", convert_flint_moe),
     "gpt_oss": ("GptOssMLP", convert_gpt_oss_moe),
     "granitemoe": ("GraniteMoeMoE", convert_granite_moe),
