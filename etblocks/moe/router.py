@@ -23,6 +23,16 @@ def kth_largest(values: torch.Tensor, k: int) -> torch.Tensor:
     return values.amax(dim=-1, keepdim=True)
 
 
+def in_fp32(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` in fp32, with no cast where it already is.
+
+    workaround(executorch 1.5.1): a no-op `.float()` of a weight exports as a copy that QNN's constant folding
+    turns into a frozen parameter, whose placeholder a later pass maps to another constant (`b__frozen_param0`
+    to a quantization scale): the 16a8w program's convolutions then have no QNN builder
+    (`tests/export/test_qnn.py::test_dense_moe_behind_each_router_is_ready_quantized`)."""
+    return tensor if tensor.dtype == torch.float32 else tensor.float()
+
+
 class TopKRouter(nn.Module):
     """Softmax top-k (Mixtral, Qwen2/3-MoE, OLMoE, GPT-OSS, Gemma 4): `x [N, D] -> (weights [N, k], indices [N, k])`.
 
@@ -145,7 +155,7 @@ class GroupedTopKRouter(nn.Module):
 
     def _scores(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores `[N, E]` and the (biased) scores experts are chosen on, `-inf` outside the chosen groups."""
-        logits = F.linear(x.float(), self.weight.float())
+        logits = F.linear(in_fp32(x), in_fp32(self.weight))
         scores = logits.sigmoid() if self.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
         choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
         if self.n_group == 1:

@@ -281,3 +281,44 @@ def test_quantize_leaves_the_callers_program_untouched():
     quantized = quantize_programs({"forward": program}, qnn_quantizer(), lambda methods: methods["forward"](x))
     assert torch.isinf(program.state_dict["mask"]).sum() == 2
     assert not any(torch.isinf(t).any() for t in quantized["forward"].state_dict.values() if t.is_floating_point())
+
+
+class RoutedBlock(nn.Module):
+    """A 1x1-conv projection (as the qnn recipe's attention has) before a dense MoE behind one of etblocks' routers."""
+
+    def __init__(self, router: str) -> None:
+        super().__init__()
+        from etblocks.attention import Conv2dLinear
+        from etblocks.moe import DenseExperts, GroupedTopKRouter, MoE, TopKRouter
+
+        experts, hidden = 8, 16
+        self.proj = Conv2dLinear(DIM, DIM, bias=False)
+        weight = nn.Parameter(torch.randn(experts, DIM))
+        if router == "top-k":
+            routing = TopKRouter(weight, 2, renormalize=True)
+        else:  # sigmoid scores, a correction bias, 2 of 4 groups (GLM-4.5's, DeepSeek-V3's)
+            routing = GroupedTopKRouter(weight, torch.randn(experts), 2, n_group=4, topk_group=2, renormalize=True, routed_scaling_factor=2.5)
+        self.moe = MoE(routing, DenseExperts.from_weights(
+            torch.randn(experts, hidden, DIM), torch.randn(experts, hidden, DIM), torch.randn(experts, DIM, hidden)))
+
+    def forward(self, x):
+        return self.moe(self.proj(x))
+
+
+@pytest.mark.parametrize("router", ["top-k", "grouped"])
+def test_dense_moe_behind_each_router_is_ready_quantized(router):
+    """Both routers' dense forms in a 16a8w program: every op has a QNN builder, no int64 anywhere. The grouped
+    router once cast its fp32 weight to fp32, an exported copy that QNN's constant folding froze under a name
+    its later passes mixed up with another constant: the convolution before it then had no builder."""
+    torch.manual_seed(0)
+    block = RoutedBlock(router).eval()
+    with torch.no_grad():
+        programs = {"forward": torch.export.export(block, (torch.randn(1, 4, DIM),))}
+
+    def feed(methods):
+        for seed in range(2):
+            methods["forward"](torch.randn(1, 4, DIM, generator=torch.Generator().manual_seed(seed)))
+
+    report = qnn_readiness(quantize_programs(programs, qnn_quantizer("16a8w"), feed))
+    assert report["forward"].ready, format_readiness(report)
+    assert report["forward"].ops["aten.convolution.default"] == 1

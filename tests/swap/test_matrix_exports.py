@@ -33,7 +33,7 @@ EXPORTED = {
     "ernie4_5_moe": "ERNIE's router in etblocks' form (a softmax, a correction bias, a floored sum), shared experts",
     "aria_text": "generic experts stored transposed",
     "nanochat": "rope rotated the other way, weightless q/k norms",
-    "afmoe": "a sigmoid output gate from its own projection, generic experts",
+    "afmoe": "a sigmoid output gate from its own projection, its MoE block with a biased sigmoid router",
     "bitnet": "a norm of the heads' output before the output projection",
     "kolibri1": "a window stored on every layer but used where `is_sliding`; NoPE full layers",
     "lfm3": "one sigmoid output gate per head from `g_proj`",
