@@ -30,7 +30,6 @@ EXPORTED = {
     "gpt_bigcode": "fused multi-query qkv in blocks",
     "bert": "BERT's inner self-attention without an output projection",
     "cohere2_moe": "generic experts (gather) behind the family's router",
-    "ernie4_5_moe": "ERNIE's router in etblocks' form (a softmax, a correction bias, a floored sum), shared experts",
     "aria_text": "generic experts stored transposed",
     "nanochat": "rope rotated the other way, weightless q/k norms",
     "afmoe": "a sigmoid output gate from its own projection, its MoE block with a biased sigmoid router",
