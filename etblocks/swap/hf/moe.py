@@ -26,7 +26,8 @@ class HFMoEWithScores(MoE):
 
 def _shared(module: nn.Module) -> nn.Module | None:
     """The block's shared expert, added ungated to the routed experts' output (each family names it its own way)."""
-    return next((getattr(module, name) for name in ("shared_experts", "shared_expert", "shared_mlp") if getattr(module, name, None) is not None), None)
+    found = (getattr(module, name, None) for name in ("shared_experts", "shared_expert", "shared_mlp"))
+    return next((shared for shared in found if shared is not None), None)
 
 
 def convert_softmax_moe(module: nn.Module, ctx: SwapContext) -> MoE:
@@ -121,11 +122,11 @@ def convert_hy_v3_moe(module: nn.Module, ctx: SwapContext) -> MoE:
 def convert_afmoe_moe(module: nn.Module, ctx: SwapContext) -> MoE:
     """AFMoE: sigmoid scores chosen with the block's `expert_bias`, renormalised (+1e-20), times `route_scale`;
     ungated shared experts."""
-    router = module.router
-    scores = _sigmoid_router(
-        router.gate.weight, router.top_k, module.expert_bias.detach(), renormalize=True, norm_eps=1e-20, scale=router.route_scale
+    upstream = module.router
+    router = _sigmoid_router(
+        upstream.gate.weight, upstream.top_k, module.expert_bias.detach(), renormalize=True, norm_eps=1e-20, scale=upstream.route_scale
     )
-    return MoE(scores, generic_experts(module.experts, ctx), _shared(module))
+    return MoE(router, generic_experts(module.experts, ctx), _shared(module))
 
 
 def convert_flint_moe(module: nn.Module, ctx: SwapContext) -> MoE:
