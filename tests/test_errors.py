@@ -344,7 +344,8 @@ def test_moe_top_k_index_on_a_backend_without_int64_is_refused():
 def test_moe_blocks_with_their_routers_in_etblocks_form_swap_for_qnn():
     """ERNIE 4.5 and LFM2-MoE keep routers of their own (a correction bias; sigmoid scores) in front of transformers'
     generic experts: their blocks convert whole, so the qnn recipe's dense strategy holds no top-k index and the
-    swap succeeds where it refused them before the routers had etblocks' form."""
+    swap (whose probe checks each block against upstream's) succeeds where it refused them before the routers had
+    etblocks' form."""
     from hf_matrix import tiny_matrix_model
 
     from etblocks.moe import DenseExperts, GroupedTopKRouter, MoE
