@@ -100,7 +100,7 @@ class GroupedTopKRouter(nn.Module):
     (DeepSeek-V2, ERNIE 4.5). Experts are chosen on `score + e_score_correction_bias` (None: on the score) within
     the `topk_group` best of `n_group` groups, a group scoring the sum of its best `group_top` (V3: 2; V2: 1, the
     max); they are weighted by the plain scores, optionally renormalised by `max(sum + norm_eps, norm_min)` (each
-    family's own epsilon or floor), then scaled by `routed_scaling_factor`. `n_group=1` is plain top-k.
+    family's own epsilon or floor), then scaled by `routed_scaling_factor`. `n_group=1` (the default) is plain top-k.
 
     `x [N, D] -> (weights fp32 [N, k], indices [N, k])`.
     """
@@ -111,10 +111,10 @@ class GroupedTopKRouter(nn.Module):
         e_score_correction_bias: torch.Tensor | None,
         top_k: int,
         *,
-        n_group: int,
-        topk_group: int,
         renormalize: bool,
-        routed_scaling_factor: float,
+        n_group: int = 1,
+        topk_group: int = 1,
+        routed_scaling_factor: float = 1.0,
         scoring: Literal["sigmoid", "softmax"] = "sigmoid",
         group_top: int = 2,
         norm_eps: float = 1e-20,

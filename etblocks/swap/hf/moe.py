@@ -86,35 +86,28 @@ def convert_deepseek_v2_moe(module: nn.Module, ctx: SwapContext) -> MoE:
     return MoE(router, generic_experts(module.experts, ctx), module.shared_experts)
 
 
-def _sigmoid_router(
-    weight: torch.Tensor, top_k: int, bias: torch.Tensor | None, *, renormalize: bool, norm_eps: float, scale: float = 1.0
-) -> GroupedTopKRouter:
-    """Sigmoid scores over all experts (no groups), chosen on `score + bias`."""
-    return GroupedTopKRouter(
-        weight, bias, top_k, n_group=1, topk_group=1, renormalize=renormalize, routed_scaling_factor=scale, norm_eps=norm_eps
-    )
-
-
 def convert_lfm2_moe(module: nn.Module, ctx: SwapContext) -> MoE:
     """LFM2-MoE: sigmoid scores, chosen with the block's `expert_bias` when it uses one, renormalised (+1e-6) where
     `norm_topk_prob`, scaled by `routed_scaling_factor`."""
     gate = module.gate
     bias = module.expert_bias if module.use_expert_bias else None
-    router = _sigmoid_router(gate.weight, gate.top_k, bias, renormalize=gate.norm_topk_prob, norm_eps=1e-6, scale=gate.routed_scaling_factor)
+    router = GroupedTopKRouter(
+        gate.weight, bias, gate.top_k, renormalize=gate.norm_topk_prob, routed_scaling_factor=gate.routed_scaling_factor, norm_eps=1e-6
+    )
     return MoE(router, generic_experts(module.experts, ctx))
 
 
 def convert_minimax_m2_moe(module: nn.Module, ctx: SwapContext) -> MoE:
     """MiniMax-M2: sigmoid scores, chosen with the block's correction bias, always renormalised."""
-    router = _sigmoid_router(module.gate.weight, module.gate.top_k, module.e_score_correction_bias, renormalize=True, norm_eps=0.0)
+    router = GroupedTopKRouter(module.gate.weight, module.e_score_correction_bias, module.gate.top_k, renormalize=True, norm_eps=0.0)
     return MoE(router, generic_experts(module.experts, ctx))
 
 
 def convert_hy_v3_moe(module: nn.Module, ctx: SwapContext) -> MoE:
     """Hy-V3: MiniMax-M2's router (+1e-20) scaled by `router_scaling_factor`; ungated shared experts."""
     gate = module.gate
-    router = _sigmoid_router(
-        gate.weight, gate.top_k, module.e_score_correction_bias, renormalize=True, norm_eps=1e-20, scale=gate.router_scaling_factor
+    router = GroupedTopKRouter(
+        gate.weight, module.e_score_correction_bias, gate.top_k, renormalize=True, routed_scaling_factor=gate.router_scaling_factor
     )
     return MoE(router, generic_experts(module.experts, ctx), _shared(module))
 
@@ -123,8 +116,8 @@ def convert_afmoe_moe(module: nn.Module, ctx: SwapContext) -> MoE:
     """AFMoE: sigmoid scores chosen with the block's `expert_bias`, renormalised (+1e-20), times `route_scale`;
     ungated shared experts."""
     upstream = module.router
-    router = _sigmoid_router(
-        upstream.gate.weight, upstream.top_k, module.expert_bias.detach(), renormalize=True, norm_eps=1e-20, scale=upstream.route_scale
+    router = GroupedTopKRouter(
+        upstream.gate.weight, module.expert_bias.detach(), upstream.top_k, renormalize=True, routed_scaling_factor=upstream.route_scale
     )
     return MoE(router, generic_experts(module.experts, ctx), _shared(module))
 
@@ -132,7 +125,7 @@ def convert_afmoe_moe(module: nn.Module, ctx: SwapContext) -> MoE:
 def convert_flint_moe(module: nn.Module, ctx: SwapContext) -> MoE:
     """Flint: sigmoid scores without a bias, renormalised where `norm_topk_prob`; an ungated shared expert."""
     gate = module.gate
-    router = _sigmoid_router(gate.weight, gate.top_k, None, renormalize=gate.norm_topk_prob, norm_eps=0.0)
+    router = GroupedTopKRouter(gate.weight, None, gate.top_k, renormalize=gate.norm_topk_prob, norm_eps=0.0)
     return MoE(router, generic_experts(module.experts, ctx), _shared(module))
 
 
@@ -144,10 +137,7 @@ def convert_ernie4_5_moe(module: nn.Module, ctx: SwapContext) -> MoE:
         gate.weight,
         gate.moe_statics.e_score_correction_bias.detach().reshape(-1),
         gate.top_k,
-        n_group=1,
-        topk_group=1,
         renormalize=True,
-        routed_scaling_factor=1.0,
         scoring="softmax",
         norm_eps=0.0,
         norm_min=gate.norm_min,
