@@ -88,14 +88,16 @@ class Registry:
             yield cls
             yield qualified_name(cls)
 
+    def _key(self, module: nn.Module) -> type | str | None:
+        """The registration that applies to `module`: the first along its MRO whose `when` accepts it."""
+        return next((k for k in self._keys(module) if k in self._converters and (k not in self._when or self._when[k](module))), None)
+
     def lookup(self, module: nn.Module) -> Converter | None:
-        for key in self._keys(module):
-            if key in self._converters and (key not in self._when or self._when[key](module)):
-                return self._converters[key]
-        return None
+        key = self._key(module)
+        return None if key is None else self._converters[key]
 
     def same_output(self, module: nn.Module) -> bool:
-        return not any(key in self._different_output for key in self._keys(module))
+        return self._key(module) not in self._different_output
 
     def supported(self) -> list[str]:
         return sorted(key.rsplit(".", 1)[-1] if isinstance(key, str) else key.__name__ for key in self._converters)
