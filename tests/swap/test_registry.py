@@ -45,3 +45,11 @@ def test_when_passes_over_the_instances_a_converter_does_not_take():
     assert registry.lookup(Child(readable=False)) is parent_converter  # the next class of the MRO
     registry.register(Child)(child_converter)  # registered again without `when`: it takes every instance
     assert registry.lookup(Child(readable=False)) is child_converter
+
+
+def test_same_output_is_the_flag_of_the_registration_lookup_picks():
+    registry = Registry()
+    registry.register(Parent, same_output=False)(parent_converter)
+    registry.register(Child, when=lambda module: module.readable)(child_converter)
+    assert registry.same_output(Child(readable=True))  # the child's own registration applies
+    assert not registry.same_output(Child(readable=False))  # passed over: the parent's applies
