@@ -2,15 +2,16 @@
 weights).
 
 A seeded base (`harness.build_hf_model`) and two random PEFT LoRA adapters (A: r=16, alpha 32, all linears; B: r=8,
-alpha 16, rsLoRA, q_proj and v_proj) become four XNNPACK programs: base-only; slots (swap + `load_adapter` A and B +
-export: LoRA slots and a `set_adapter` method, one .ptd per adapter); merged A and merged B (PEFT
-`merge_and_unload()`, then swap + export). Measured in one run: 1. the slot program's greedy tokens after
-`Runner.set_adapter(A | B | None)`, and the base-only and merged programs', against `PeftModel.generate` with that
-adapter (a disagreement exits 1; a wrong slot program stops the run before anything is timed); 2. file sizes;
-3. resident memory and 4. switch and load times, each in a fresh child process; 5. decode and prefill tok/s of
-base-only, slots with None and with A, merged A, in `--rounds` interleaved rounds in a fresh process (medians
-[min-max], ratios to base-only as medians of per-round ratios), whose tokens are checked against PEFT too. Results:
-benchmarks/results/lora.json.
+alpha 16, rsLoRA, q_proj and v_proj) become XNNPACK programs: base-only; slots (swap + `load_adapter` A and B +
+export: LoRA slots and a `set_adapter` method, one .ptd per adapter); adapter programs (the same, exported with
+`adapter_mode="programs"`: the base program, its weights in one .ptd, one small program per adapter reading them);
+merged A and merged B (PEFT `merge_and_unload()`, then swap + export). Measured in one run: 1. the slot program's
+and the adapter programs' greedy tokens after `Runner.set_adapter(A | B | None)`, and the base-only and merged
+programs', against `PeftModel.generate` with that adapter (a disagreement exits 1; a wrong slot or adapter program
+stops the run before anything is timed); 2. file sizes; 3. resident memory and 4. switch and load times, each in a
+fresh child process; 5. decode and prefill tok/s of base-only, slots with None and with A, adapter program A,
+merged A, in `--rounds` interleaved rounds in a fresh process (medians [min-max], ratios to base-only as medians of
+per-round ratios), whose tokens are checked against PEFT too. Results: benchmarks/results/lora.json.
 
     python benchmarks/lora.py            # 30 layers
     python benchmarks/lora.py --smoke    # 1 layer, 1 round
@@ -101,8 +102,8 @@ class Program:
     key: str
     label: str
     path: Path  # the program, loaded where it is timed (`time_programs`)
-    adapter: str | None = None  # for the slot rows: set before every round
-    switch: bool = False
+    adapter: str | None = None  # for the rows with adapters: set before every round
+    adapters: dict[str, Path] | None = None  # the adapter files or programs its runner is given
     pte_mb: float | None = None
     export_s: float | None = None
     decode_runs: list[float] = field(default_factory=list)
@@ -130,23 +131,23 @@ class RunnerDriver:
         return argmax_last(self.runner.forward([token]))
 
 
-def time_programs(programs: list[Program], adapters: dict[str, Path], bench: Bench) -> list[Program]:
+def time_programs(programs: list[Program], bench: Bench) -> list[Program]:
     """Section 5 in a fresh process, as decode.py times (`harness.in_fresh_process`: programs loaded anew, MKL on
-    one thread): each program loaded once (the slot program with `adapters`, serving its two rows), warmed, then
+    one thread): each program loaded once (with its `adapters`; the slot program serves two rows), warmed, then
     `bench.rounds` interleaved rounds; returns `programs` with their timings and tokens."""
     import etblocks
 
     runners = {}
     for p in programs:
         if p.path not in runners:
-            runners[p.path] = etblocks.Runner(p.path, adapters=adapters if p.switch else None)
+            runners[p.path] = etblocks.Runner(p.path, adapters=p.adapters)
     for p in programs:
-        if p.switch:
+        if p.adapters:
             runners[p.path].set_adapter(p.adapter)
         warm_up(RunnerDriver(runners[p.path]), bench)
     for r in range(bench.rounds):
         for p in programs:
-            if p.switch:
+            if p.adapters:
                 runners[p.path].set_adapter(p.adapter)
             prefill_tps, decode_tps, tokens = time_round(RunnerDriver(runners[p.path]), bench)
             if p.tokens and tokens != p.tokens:
@@ -218,7 +219,8 @@ def peft_references(base: torch.nn.Module, dirs: dict[str, Path], prompt: list[i
     return references
 
 
-def export_program(model: torch.nn.Module, shape: Shape, out: Path, dirs: dict[str, Path] | None = None) -> Any:
+def export_program(model: torch.nn.Module, shape: Shape, out: Path, dirs: dict[str, Path] | None = None,
+                   adapter_mode: str = "slots") -> Any:
     """Swap `model` (in place) for xnnpack, attach the adapters in `dirs` (if any), export; the ExportResult."""
     import etblocks
 
@@ -226,7 +228,7 @@ def export_program(model: torch.nn.Module, shape: Shape, out: Path, dirs: dict[s
         model = etblocks.swap(model, backend="xnnpack", max_seq_len=shape.max_seq_len) or model
         for name, directory in (dirs or {}).items():
             etblocks.load_adapter(model, directory, name=name)
-        return etblocks.export(model, backend="xnnpack", out=out)
+        return etblocks.export(model, backend="xnnpack", out=out, adapter_mode=adapter_mode)
 
 
 def merged_model(base: torch.nn.Module, directory: Path) -> torch.nn.Module:
@@ -236,10 +238,11 @@ def merged_model(base: torch.nn.Module, directory: Path) -> torch.nn.Module:
     return PeftModel.from_pretrained(copy.deepcopy(base), directory).merge_and_unload()
 
 
-def timed_export(label: str, model: torch.nn.Module, shape: Shape, out: Path, dirs=None) -> tuple[Any, float]:
+def timed_export(label: str, model: torch.nn.Module, shape: Shape, out: Path, dirs=None,
+                 adapter_mode: str = "slots") -> tuple[Any, float]:
     log(f"export {label} ...")
     start = time.perf_counter()
-    result = export_program(model, shape, out, dirs)
+    result = export_program(model, shape, out, dirs, adapter_mode)
     seconds = time.perf_counter() - start
     log(f"export {label}: {seconds:.0f} s, {result.size_mb:.1f} MB; {result.delegation}")
     return result, seconds
@@ -339,7 +342,35 @@ def probe_programs(spec: dict) -> dict:
     return {"points": points, "first_load_ms": first_load_ms, "load_ms": load_ms}
 
 
-PROBES = {"slots": probe_slots, "programs": probe_programs}
+def probe_adapter_programs(spec: dict) -> dict:
+    """Child process: the base program (weights in their .ptd), its adapter programs added, `switches` switches
+    (each loads a program in place of the one running), a short generate."""
+    import etblocks
+
+    points, times = [], {str(n): [] for n in CYCLE}
+
+    def mark(label: str) -> None:
+        gc.collect()
+        points.append((label, rss()))
+
+    mark("before loading (runtime + .ptd reader imported)")
+    start = time.perf_counter()
+    runner = etblocks.Runner(spec["pte"], adapters=spec["adapters"])
+    load_ms = 1e3 * (time.perf_counter() - start)
+    mark("Runner(base program, adapter programs added)")
+    for i in range(spec["switches"]):
+        name = CYCLE[i % len(CYCLE)]
+        start = time.perf_counter()
+        runner.set_adapter(name)
+        times[str(name)].append(1e3 * (time.perf_counter() - start))
+    mark(f"+ {spec['switches']} switches A->B->None")
+    runner.set_adapter("A")
+    runner.generate(spec["prompt"], max_new_tokens=8, eos=[])
+    mark("+ generate 8 tokens with A")
+    return {"points": points, "first_load_ms": load_ms, "switch_ms": times}
+
+
+PROBES = {"slots": probe_slots, "programs": probe_programs, "adapter_programs": probe_adapter_programs}
 
 
 def run_probe(kind: str, spec: dict) -> dict:
@@ -393,11 +424,11 @@ def memory_table(points: list[tuple[str, dict]]) -> str:
 
 
 def print_report(args, shape: Shape, bench: Bench, programs: list[Program], references, checks, sizes, slots_probe,
-                 programs_probe, delegations, started: float) -> None:
+                 programs_probe, adapter_programs_probe, delegations, started: float) -> None:
     from executorch.extension.pybindings.portable_lib import _threadpool_get_thread_count
 
     s = shape
-    print(f"\nLoRA adapters switched at run time vs one program per adapter, {s.name} shape: {s.layers} layers, "
+    print(f"\nLoRA adapters switched at run time (slots; adapter programs) vs one program per adapter, {s.name} shape: {s.layers} layers, "
           f"hidden {s.hidden}, {s.heads}/{s.kv_heads} heads (head_dim {s.head_dim}), intermediate {s.intermediate}, "
           f"vocab {s.vocab}, tied embedding, fp32, random weights (seed {args.seed}, init std {args.init_range})")
     print(f"adapters (PEFT, random lora_A/lora_B, std {args.lora_std}): "
@@ -417,6 +448,8 @@ def print_report(args, shape: Shape, bench: Bench, programs: list[Program], refe
     print("\n3. resident memory (fresh child process each; anon = RssAnon, file = RssFile)")
     print("slot program:")
     print(memory_table(slots_probe["points"]))
+    print("adapter programs (one loaded at a time, the base weights in their .ptd):")
+    print(memory_table(adapter_programs_probe["points"]))
     print("one program per adapter:")
     print(memory_table(programs_probe["points"]))
 
@@ -434,6 +467,11 @@ def print_report(args, shape: Shape, bench: Bench, programs: list[Program], refe
     for name, ts in slots_probe["switch_ms"].items():
         rows.append([f"  set_adapter({name if name == 'None' else repr(name)}) only ({len(ts)})",
                      f"{statistics.median(ts):.3f}", f"{percentile(ts, 0.9):.3f}", f"{max(ts):.3f}", ""])
+    program_switches = [t for ts in adapter_programs_probe["switch_ms"].values() for t in ts]
+    rows.append([f"adapter programs: Runner.set_adapter(name), {len(program_switches)} switches A->B->None",
+                 f"{statistics.median(program_switches):.1f}", f"{percentile(program_switches, 0.9):.1f}",
+                 f"{max(program_switches):.1f}",
+                 f"{statistics.median(program_switches) / statistics.median(switch_all):.0f}x"])
     slot_loads = programs_probe["load_ms"]["slots"]
     for label, ms in ((f"Runner(merged program), {len(loads)} loads", loads),
                       (f"Runner(slot program), {len(slot_loads)} loads", slot_loads)):
@@ -472,7 +510,7 @@ def print_report(args, shape: Shape, bench: Bench, programs: list[Program], refe
 
 
 SMOKE = {"shape": "tiny", "layers": 1, "max_seq_len": 32, "prompt_len": 8, "decode_steps": 4, "rounds": 1, "check_tokens": 4,
-         "switches": 6, "loads": 1}
+         "switches": 6, "program_switches": 3, "loads": 1}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -485,6 +523,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=7, help="interleaved decode rounds; medians are reported")
     parser.add_argument("--check-tokens", type=int, default=8, help="greedy tokens compared with PEFT")
     parser.add_argument("--switches", type=int, default=200, help="timed set_adapter calls (A -> B -> None ...)")
+    parser.add_argument("--program-switches", type=int, default=15,
+                        help="timed set_adapter calls between adapter programs (each loads a program)")
     parser.add_argument("--loads", type=int, default=5,
                         help="interleaved timed loads: merged A, slot program, merged B, ...")
     parser.add_argument("--seed", type=int, default=0)
@@ -532,6 +572,8 @@ def run(args: argparse.Namespace, shape: Shape, bench: Bench, started: float) ->
 
     base_result, base_s = timed_export("base-only", copy.deepcopy(base), shape, out / "base.pte")
     slot_result, slot_s = timed_export("slots (A, B)", copy.deepcopy(base), shape, out / "lora.pte", dirs)
+    programs_result, programs_s = timed_export("adapter programs (A, B)", copy.deepcopy(base), shape,
+                                               out / "programs.pte", dirs, adapter_mode="programs")
     merged = {}
     for a in ADAPTERS:
         merged[a.name] = timed_export(f"merged {a.name}", merged_model(base, dirs[a.name]), shape,
@@ -539,17 +581,19 @@ def run(args: argparse.Namespace, shape: Shape, bench: Bench, started: float) ->
     del base
     gc.collect()
 
-    # 1. correctness: the slot program through Runner.set_adapter, against PEFT
+    # 1. correctness: the slot program and the adapter programs through Runner.set_adapter, against PEFT
     log("greedy checks ...")
-    slots = etblocks.Runner(slot_result.path, adapters=slot_result.adapters)
     verdicts = Checks()
     checks = []
-    for name in CYCLE:
-        slots.set_adapter(name)
-        tokens = slots.generate(bench.prompt, max_new_tokens=args.check_tokens, eos=[])
-        check = verdicts.add(check_tokens(f"slots:{name}", tokens, references[name], f"PEFT {name!r}"))
-        checks.append(f"slot program, set_adapter({name!r}): {check.matching}/{check.compared} {check.outputs}")
-    if not verdicts.ok:  # the slot program is the subject: time nothing else when it is wrong
+    for key, label, result in (("slots", "slot program", slot_result), ("programs", "adapter programs", programs_result)):
+        runner = etblocks.Runner(result.path, adapters=result.adapters)
+        for name in CYCLE:
+            runner.set_adapter(name)
+            tokens = runner.generate(bench.prompt, max_new_tokens=args.check_tokens, eos=[])
+            check = verdicts.add(check_tokens(f"{key}:{name}", tokens, references[name], f"PEFT {name!r}"))
+            checks.append(f"{label}, set_adapter({name!r}): {check.matching}/{check.compared} {check.outputs}")
+        del runner
+    if not verdicts.ok:  # the slot and adapter programs are the subject: time nothing else when one is wrong
         print("\n".join(checks))
         return finish("lora", args, verdicts, {}, started, reference_tokens=references)
     base_runner = etblocks.Runner(base_result.path)
@@ -577,15 +621,28 @@ def run(args: argparse.Namespace, shape: Shape, bench: Bench, started: float) ->
         sizes.append([f"adapter {a.name} .ptd", f"{ptd:,}", f"{ptd / 1e6:.2f}",
                       f"{ptd - tensor_bytes:+,} B vs its {count} tensors ({tensor_bytes:,} B); PEFT safetensors "
                       f"{safetensors:,} B"])
+    programs_bytes, weights_bytes = programs_result.path.stat().st_size, programs_result.data_path.stat().st_size
+    sizes.append(["adapter programs: base .pte", f"{programs_bytes:,}", f"{programs_bytes / 1e6:.2f}",
+                  "the base program without its weights"])
+    sizes.append(["  base weights .ptd", f"{weights_bytes:,}", f"{weights_bytes / 1e6:.2f}",
+                  f"{(programs_bytes + weights_bytes - base_bytes) / 1e3:+.1f} KB with the .pte vs base-only"])
+    for a in ADAPTERS:
+        size = programs_result.adapters[a.name].stat().st_size
+        _, tensor_bytes, _ = peft_tensor_bytes(dirs[a.name])
+        sizes.append([f"  adapter {a.name} .pte", f"{size:,}", f"{size / 1e6:.2f}",
+                      f"{(size - programs_bytes - tensor_bytes) / 1e3:+.1f} KB vs the base .pte + its tensors"])
     for name, (result, _) in merged.items():
         size = result.path.stat().st_size
         sizes.append([f"merged {name} .pte", f"{size:,}", f"{size / 1e6:.2f}", "a whole program per adapter"])
 
     # 3., 4. memory and switch / load times, in child processes
-    del slots, base_runner, merged_runners
+    del base_runner, merged_runners
     gc.collect()
     slots_probe = run_probe("slots", {"pte": str(slot_result.path), "prompt": bench.prompt, "switches": args.switches,
                                       "adapters": {k: str(v) for k, v in slot_result.adapters.items()}})
+    adapter_programs_probe = run_probe("adapter_programs", {
+        "pte": str(programs_result.path), "prompt": bench.prompt, "switches": args.program_switches,
+        "adapters": {k: str(v) for k, v in programs_result.adapters.items()}})
     programs_probe = run_probe("programs", {"prompt": bench.prompt, "loads": args.loads, "slots": str(slot_result.path),
                                             "programs": {n: str(r.path) for n, (r, _) in merged.items()}})
 
@@ -593,33 +650,39 @@ def run(args: argparse.Namespace, shape: Shape, bench: Bench, started: float) ->
     merged_a, merged_a_s = merged["A"]
     programs = [
         Program("a", "base-only program", base_result.path, pte_mb=base_result.size_mb, export_s=base_s, reference=None),
-        Program("b", "slot program, set_adapter(None)", slot_result.path, None, True, slot_result.size_mb, slot_s,
-                reference=None),
-        Program("c", "slot program, set_adapter('A')", slot_result.path, "A", True, slot_result.size_mb, slot_s,
+        Program("b", "slot program, set_adapter(None)", slot_result.path, None, slot_result.adapters,
+                slot_result.size_mb, slot_s, reference=None),
+        Program("c", "slot program, set_adapter('A')", slot_result.path, "A", slot_result.adapters,
+                slot_result.size_mb, slot_s, reference="A"),
+        Program("d", "adapter program A (adapter_mode='programs')", programs_result.path, "A",
+                programs_result.adapters, programs_result.adapters["A"].stat().st_size / 1e6, programs_s,
                 reference="A"),
-        Program("d", "merged A program (one per adapter)", merged_a.path, pte_mb=merged_a.size_mb,
+        Program("e", "merged A program (one per adapter)", merged_a.path, pte_mb=merged_a.size_mb,
                 export_s=merged_a_s, reference="A"),
     ]
-    programs = in_fresh_process(time_programs, programs, slot_result.adapters, bench)
+    programs = in_fresh_process(time_programs, programs, bench)
     delegations = [("base-only forward", str(base_result.delegations["forward"])),
                    ("slot program forward", str(slot_result.delegations["forward"])),
+                   ("adapter programs, base forward", str(programs_result.delegations["forward"])),
                    ("slot program set_adapter", str(slot_result.delegations["set_adapter"]))]
     for p in programs:
         verdicts.add(check_tokens(p.key, p.tokens, references[p.reference], f"PEFT {p.reference!r}"))
     report = io.StringIO()
     with contextlib.redirect_stdout(report):
         print_report(args, shape, bench, programs, references, checks, sizes, slots_probe, programs_probe,
-                     delegations, started)
+                     adapter_programs_probe, delegations, started)
     print(report.getvalue(), end="")
     records = [{"key": p.key, "name": p.label, "adapter": p.adapter, "export_s": p.export_s, "pte_mb": p.pte_mb,
                 "tokens": p.tokens, "timings": {"decode_tps": spread_record(p.decode_runs),
                                                 "prefill_tps": spread_record(p.prefill_runs)}} for p in programs]
     switch_ms = {name: spread_record(ms) for name, ms in slots_probe["switch_ms"].items()}
+    program_switch_ms = {name: spread_record(ms) for name, ms in adapter_programs_probe["switch_ms"].items()}
     load_ms = {kind: spread_record(ms) for kind, ms in programs_probe["load_ms"].items()}
     return finish("lora", args, verdicts, {"lora": report.getvalue().strip()}, started, prompt=bench.prompt,
                   reference_tokens={str(k): v for k, v in references.items()}, rows=records, sizes=sizes,
-                  switch_ms=switch_ms, load_ms=load_ms, memory={"slots": slots_probe["points"],
-                                                                "programs": programs_probe["points"]})
+                  switch_ms=switch_ms, program_switch_ms=program_switch_ms, load_ms=load_ms,
+                  memory={"slots": slots_probe["points"], "programs": programs_probe["points"],
+                          "adapter_programs": adapter_programs_probe["points"]})
 
 
 if __name__ == "__main__":

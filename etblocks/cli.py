@@ -185,7 +185,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         eos_ids=options["eos_ids"], quantize_weights=options["quantize_weights"], group_size=options["group_size"],
         quantize_embedding=options["quantize_embedding"], quantize_activations=options["quantize_activations"],
         calibration=calibration, backend_options=backend_options, tokenizer=tokenizer, max_draft=options["max_draft"],
-        draft=draft,
+        draft=draft, adapter_mode=options["adapter_mode"],
     )
     seconds = {"swap": swap_seconds, **result.seconds}
     print(_export_summary(result, model_name, seconds), flush=True)
@@ -319,6 +319,8 @@ def _export_summary(result, model_name: str, seconds: dict[str, float]) -> str:
     ]
     if result.tokenizer:
         lines.insert(-1, f"  tokenizer   {result.tokenizer} (from {result.tokenizer_source})")
+    if result.data_path:
+        lines.insert(-1, f"  weights     {result.data_path} ({result.data_path.stat().st_size / 1e6:.2f} MB)")
     for name, file in result.adapters.items():
         lines.insert(-1, f"  adapter     {name}: {file} ({file.stat().st_size / 1e6:.3f} MB)")
     if result.adapters:
@@ -428,23 +430,27 @@ def _generating_runner(options: Resolved, say: Callable[[str], None]):
 
 
 def _adapter_file(options: Resolved, runner, name: str, file: str | None) -> Path:
-    """The .ptd of `--adapter NAME[=FILE]`, once the program is known to have LoRA slots to take it."""
-    from etblocks.export.adapters import adapter_file, exported_adapters
+    """The file of `--adapter NAME[=FILE]`, once the program is known to take it: FILE, else what was exported beside
+    the program as NAME, the adapter's tensors (.ptd) for a program with LoRA slots or its program (.pte) for a base
+    program whose weights are apart."""
+    from etblocks.export.adapters import adapter_file, adapter_program_file, exported_adapters
+    from etblocks.program_files import is_program_file
 
     where, pte = options.where("adapter"), options["pte"]
-    if runner.adapter_table is None:
+    if runner.adapter_table is None and not (file and is_program_file(file)) and runner.data_path is None:
         raise ConfigError(
             f"adapter={name!r} ({where}): {pte} was exported without adapters, so it has no LoRA slots; export it "
             f"with --adapter {name}=DIR (a PEFT or torchtune adapter directory) to run it with {name!r}"
         )
     if file:
         return Path(file)
-    if not adapter_file(pte, name).is_file():
+    expected = adapter_file(pte, name) if runner.adapter_table is not None else adapter_program_file(pte, name)
+    if not expected.is_file():
         raise ConfigError(
-            f"adapter={name!r} ({where}): {adapter_file(pte, name)} does not exist; adapters exported beside {pte}: "
-            f"{list(exported_adapters(pte)) or 'none'} (or give --adapter {name}=FILE.ptd)"
+            f"adapter={name!r} ({where}): {expected} does not exist; adapters exported beside {pte}: "
+            f"{list(exported_adapters(pte)) or 'none'} (or give --adapter {name}=FILE)"
         )
-    return adapter_file(pte, name)
+    return expected
 
 
 def _generation(options: Resolved) -> dict[str, Any]:

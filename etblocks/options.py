@@ -210,6 +210,8 @@ def choice(name: str, commands: tuple[str, ...], choices: tuple[str, ...], help:
 
 # ----------------------------------------------------------------------------------------------- the options
 
+ADAPTER_MODES = ("slots", "programs")  # `etblocks.export.adapters` says what each is
+
 EXPORT, RUN, CHAT = ("export",), ("run",), ("chat",)
 GENERATE = RUN + CHAT  # options of every command that generates
 
@@ -266,6 +268,11 @@ OPTIONS_LIST = (
            "token ids per line (default: seeded random ids, a rough calibration)", metavar="TXT"),
     Option("adapters", EXPORT, adapter_dirs, "a LoRA adapter (PEFT or torchtune directory) shipped as <out stem>.NAME.ptd; "
            "repeat for more", kind="append", metavar="NAME=DIR", flag="--adapter"),
+    Option("adapter_mode", EXPORT, one_of(*ADAPTER_MODES), "how adapters ship: slots (one program, each adapter a "
+           "<out stem>.NAME.ptd of its tensors, switched in milliseconds) or programs (the base weights in <out stem>.ptd, "
+           "each adapter a small <out stem>.NAME.pte holding its tensors as constants: the base's decode speed, a "
+           "switch loads that program; dynamic programs on xnnpack or portable)", default="slots",
+           choices=ADAPTER_MODES, metavar="MODE"),
     Option("check", EXPORT, boolean, "print the backend's readiness report of the program instead of lowering (qnn: every "
            "op against ExecuTorch's QNN op builders, no Qualcomm SDK needed); exit code 1 if not ready", kind="switch"),
     Option("pte", GENERATE, path, "the .pte to run (default: the config's pte, else its out)"),

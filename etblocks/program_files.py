@@ -61,6 +61,16 @@ def check_program_file(path: str | Path, expected: str = PROGRAM) -> Path:
     return path
 
 
+def is_program_file(path: str | Path) -> bool:
+    """Whether `path` reads as an ExecuTorch program (of any format version), by its identifier: which check the
+    file then takes. False for anything else, unreadable files included (their check says why)."""
+    try:
+        head, _ = _read_head(Path(path), PROGRAM)
+    except ProgramFileError:
+        return False
+    return head[4:6] == PROGRAM_IDENTIFIER[:2]
+
+
 def check_data_file(path: str | Path, expected: str = DATA) -> Path:
     """`path` as a `Path` if it holds an ExecuTorch data file (FlatTensor) at least as long as its header declares;
     `ProgramFileError` naming the file and `expected` otherwise."""
@@ -87,7 +97,7 @@ def load_program(path: str | Path, data_path: str | Path | None = None) -> Loade
     from executorch.runtime import Runtime  # after the checks: a refused file costs no import of exir
 
     try:
-        return LoadedProgram(Runtime.get().load_program(str(path), **kwargs), path)
+        return LoadedProgram(Runtime.get().load_program(str(path), **kwargs), path, kwargs.get("data_path"))
     except Exception as exc:  # RuntimeError with an error code; the runtime logs the reason above it
         raise ProgramFileError(f"{path} could not be loaded by the ExecuTorch runtime ({_first_line(exc)}); expected {PROGRAM}") from None
 
@@ -97,9 +107,10 @@ class LoadedProgram:
     its delegates, so `load_method` names the file, the method and the backends this runtime has when the runtime
     refuses (a program lowered for a backend built for another platform, such as vulkan or coreml here)."""
 
-    def __init__(self, program: Any, path: Path) -> None:
+    def __init__(self, program: Any, path: Path, data_path: str | None = None) -> None:
         self.runtime_program = program
         self.path = path
+        self.data_path = data_path
 
     @property
     def method_names(self) -> set[str]:
@@ -112,9 +123,13 @@ class LoadedProgram:
             return self.runtime_program.load_method(name)
         except Exception as exc:  # RuntimeError with an error code, as above
             backends = sorted(Runtime.get().backend_registry.registered_backend_names)
+            data = (
+                f"the data file given ({self.data_path}) must be the one exported with it" if self.data_path else
+                "a program whose weights were written apart needs their data file (.ptd), which was not given"
+            )
             raise ProgramFileError(
                 f"{self.path}: method {name!r} could not be loaded by the ExecuTorch runtime ({_first_line(exc)}); "
-                f"its delegates must be among this runtime's backends {backends}"
+                f"its delegates must be among this runtime's backends {backends}, and {data}"
             ) from None
 
 

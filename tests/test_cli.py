@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import shutil
@@ -490,6 +491,29 @@ def test_export_and_run_with_adapters_matches_peft(demo_hf, tmp_path, capsys):
     assert main(["run", "--pte", str(pte), "--prompt-ids", "1", "--adapter", "C"]) == 2
     err = error_line(capsys.readouterr().err)
     assert "demo.C.ptd does not exist" in err and f"adapters exported beside {pte}: {sorted(ADAPTERS)}" in err
+
+
+@pytest.mark.slow
+def test_export_adapter_programs_and_run_them_matches_peft(demo_hf, tmp_path, capsys):
+    """`export --adapter-mode programs` ships the base weights as demo.ptd and each adapter as demo.NAME.pte;
+    `run --adapter NAME` loads that program over demo.ptd and generates PeftModel's tokens with the adapter."""
+    from peft import PeftModel
+    from peft_refs import ADAPTERS, make_adapter
+
+    make_adapter(demo_hf, tmp_path / "B", 1, **ADAPTERS["B"])
+    pte = tmp_path / "demo.pte"
+    assert main(["export", "--model", "demo", "--out", str(pte), "--max-seq-len", str(MAX_SEQ_LEN), "--adapter-mode",
+                 "programs", f"--adapter=B={tmp_path / 'B'}"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(rf"weights\s+{re.escape(str(tmp_path / 'demo.ptd'))} \(\d+\.\d+ MB\)", out), out
+    assert re.search(r"adapter\s+B: .*demo\.B\.pte", out), out
+    reference = PeftModel.from_pretrained(copy.deepcopy(demo_hf), tmp_path / "B").eval()
+    assert main(["run", "--pte", str(pte), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "12",
+                 "--adapter", "B"]) == 0
+    assert ids_line(capsys.readouterr().out, "generated ids") == hf_greedy(reference, PROMPT, 12)
+    assert main(["run", "--pte", str(pte), "--prompt-ids", "1", "--adapter", "C"]) == 2
+    err = error_line(capsys.readouterr().err)
+    assert "demo.C.pte does not exist" in err and f"adapters exported beside {pte}: ['B']" in err
 
 
 @pytest.mark.slow

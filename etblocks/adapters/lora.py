@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -44,7 +45,10 @@ class LoRAWeights(nn.Module):
         return (self.lora_B @ self.lora_A) * self.scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (x @ self.lora_A.T.to(x.dtype)) @ self.lora_B.T.to(x.dtype) * self.scale
+        """Two linears: exported with the adapter as constants (an adapter program), a delegate packs them once.
+        A cast only where the dtypes differ: a no-op cast would export as a copy, which no longer is a constant."""
+        lora_A, lora_B = (w if w.dtype == x.dtype else w.to(x.dtype) for w in (self.lora_A, self.lora_B))
+        return F.linear(F.linear(x, lora_A), lora_B) * self.scale
 
     def extra_repr(self) -> str:
         return f"rank={self.rank}, scale={self.scale:g}"

@@ -44,6 +44,8 @@ class Backend:
     activation_schemes / default_activations: the calibrated (pt2e) quantization its `quantizer` does, and the
         scheme `export` applies by default when exporting a model swapped for it.
     limits: what it is known not to lower (keys such as `INT8_IO_CACHE`), each with the reason.
+    external_weights: whether its programs read their constants from a data file (.ptd) that several programs
+        share (`etblocks.export.external`), as adapter programs need.
     options: its own options (their defaults apply when not given).
     """
 
@@ -58,6 +60,7 @@ class Backend:
     activation_schemes: tuple[str, ...] = ()
     default_activations: str | None = None
     limits: Mapping[str, str] = {}
+    external_weights: bool = False
     options: tuple[Option, ...] = ()
     quantization_hint: str = ""  # said when a quantization scheme is refused
 

@@ -9,6 +9,7 @@ class Portable(Backend):
     name = "portable"
     dynamic_shapes = True
     recipe = {"sdpa": "dynamic"}
+    external_weights = True  # constants under their names in a shared .ptd
 
 
 BACKEND = Portable()

@@ -11,6 +11,7 @@ class Xnnpack(Backend):
     requires = "executorch.backends.xnnpack"
     runtime_name = "XnnpackBackend"
     dynamic_shapes = True
+    external_weights = True  # constants under their content keys in a shared .ptd
     recipe = {"sdpa": "custom", "cache_update": "custom", "delta_rule": "fused"}
     weight_schemes = WEIGHT_SCHEMES  # its dynamically quantized GEMMs
     embedding_schemes = EMBEDDING_SCHEMES  # looked up by quantized_decomposed::embedding_byte on CPU

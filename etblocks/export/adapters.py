@@ -14,6 +14,12 @@ a layer costs two small matmuls with operands that arrive at run time, and most 
 A delegate must not read slot buffers: it would serialize their initial zeros as constants and ignore every
 switch. `keep_slots_on_cpu` leaves the ops that read them (the views `LoRALinear` takes, aliases of the buffers
 at run time) on CPU, so the LoRA matmuls, delegated with everything else, receive the slots as run-time inputs.
+
+That is the slots' cost: XNNPACK packs an operand that arrives at run time on every call, where it packs a
+constant once at load. With `adapter_mode="programs"` each adapter is instead a program of its own, exported with
+that adapter active (`adapter_active`): its tensors are constants of that program (`adapter_constants`), every
+other weight is read from the base program's data file (`etblocks.export.external`), so the adapter costs two small
+linears per layer and a switch loads the adapter's program.
 """
 
 from __future__ import annotations
@@ -32,8 +38,10 @@ from torch import nn
 from etblocks.adapters.lora import LoRALinear, LoRATensors, SharedInput
 from etblocks.errors import AdapterMismatchError, ConfigError
 from etblocks.export.hybrid import keep_on_cpu
+from etblocks.options import ADAPTER_MODES
 from etblocks.state.base import reset_states
 
+ADAPTER_SLOTS, ADAPTER_PROGRAMS = ADAPTER_MODES
 ADAPTERS_METHOD = "etblocks_adapters"
 SET_ADAPTER_METHOD = "set_adapter"
 SLOT_BUFFERS = ("slot_a", "slot_b")
@@ -167,12 +175,20 @@ def adapter_file(program: str | Path, name: str) -> Path:
     return program.with_name(f"{program.stem}.{name}.ptd")
 
 
+def adapter_program_file(program: str | Path, name: str) -> Path:
+    """Where `export(..., adapter_mode="programs")` writes the program of adapter `name` of the program at
+    `program`: `<dir>/<stem>.<name>.pte`."""
+    program = Path(program)
+    return program.with_name(f"{program.stem}.{name}.pte")
+
+
 def exported_adapters(program: str | Path) -> dict[str, Path]:
-    """The adapter files beside the program at `program`, by name (the files `adapter_file` names)."""
+    """The adapter files beside the program at `program`, by name: the files `adapter_file` and
+    `adapter_program_file` name."""
     program = Path(program)
     prefix = f"{program.stem}."
-    files = program.parent.glob(f"{glob.escape(prefix)}*.ptd")
-    return {file.name[len(prefix) : -len(".ptd")]: file for file in sorted(files)}
+    files = [file for suffix in (".ptd", ".pte") for file in program.parent.glob(f"{glob.escape(prefix)}*{suffix}")]
+    return {file.name[len(prefix) : -len(file.suffix)]: file for file in sorted(files)}
 
 
 def lora_layers(model: nn.Module) -> list[tuple[str, LoRALinear]]:
@@ -209,11 +225,8 @@ def shared_inputs(module: nn.Module, run: Callable[[], object]) -> list[int | No
     return groups
 
 
-def adapter_table(
-    module: nn.Module, dtype: torch.dtype | None = None, groups: list[int | None] | None = None
-) -> AdapterTable:
-    """The slots `module`'s `LoRALinear` layers need, each of its largest loaded rank, in the groups that
-    `shared_inputs` found (None: every slot alone)."""
+def check_unmerged(module: nn.Module) -> list[tuple[str, LoRALinear]]:
+    """`module`'s `LoRALinear` layers; `ConfigError` if one has an adapter merged into its base."""
     layers = lora_layers(module)
     merged = [(name, layer.merged) for name, layer in layers if layer.merged is not None]
     if merged:
@@ -221,6 +234,38 @@ def adapter_table(
             f"{merged[0][0]} has adapter {merged[0][1]!r} merged into its base; unmerge() to export adapters switched at "
             "run time, or etblocks.adapters.merge_adapter(model, name) to export one adapter baked into the weights"
         )
+    return layers
+
+
+@contextmanager
+def adapter_active(module: nn.Module, name: str | None) -> Iterator[None]:
+    """Every `LoRALinear` of `module` runs adapter `name` (the base where a layer has no such adapter; None: the
+    base everywhere) while the block runs; their choices are restored after."""
+    layers = [layer for _, layer in lora_layers(module)]
+    before = [layer.active for layer in layers]
+    for layer in layers:
+        layer.set_adapter(name if name in layer.adapters else None)
+    try:
+        yield
+    finally:
+        for layer, active in zip(layers, before):
+            layer.set_adapter(active)
+
+
+def adapter_constants(module: nn.Module, name: str) -> list[torch.Tensor]:
+    """Adapter `name`'s tensors in `module`: what stays inside its program."""
+    return [
+        tensor for _, layer in lora_layers(module) if name in layer.adapters
+        for tensor in layer.adapters[name].parameters()
+    ]
+
+
+def adapter_table(
+    module: nn.Module, dtype: torch.dtype | None = None, groups: list[int | None] | None = None
+) -> AdapterTable:
+    """The slots `module`'s `LoRALinear` layers need, each of its largest loaded rank, in the groups that
+    `shared_inputs` found (None: every slot alone)."""
+    layers = check_unmerged(module)
     groups = groups or [None] * len(layers)
     slots = tuple(
         AdapterSlot(layer.target or name, layer.rows, layer.in_features, layer.out_features, layer.max_rank, group)

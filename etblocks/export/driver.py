@@ -16,15 +16,22 @@ from etblocks.adapters.files import adapter_tensors, save_adapter_file
 from etblocks.backends import Backend, Readiness, backends, get_backend
 from etblocks.errors import ConfigError
 from etblocks.export.adapters import (
+    ADAPTER_PROGRAMS,
+    ADAPTER_SLOTS,
     ADAPTERS_METHOD,
     SET_ADAPTER_METHOD,
+    adapter_active,
+    adapter_constants,
     adapter_file,
+    adapter_program_file,
     adapter_slots,
+    check_unmerged,
     keep_slots_on_cpu,
     lora_layers,
     set_adapter_program,
 )
 from etblocks.export.delegation import DelegationSummary, summarize
+from etblocks.export.external import WEIGHTS_TAG, constant_tag, tag_constants, weights_file, write_weights
 from etblocks.export.hybrid import attention_on_cpu
 from etblocks.export.programs import (
     DynamicProgram,
@@ -52,9 +59,11 @@ AUTO = "auto"
 @dataclass
 class ExportResult:
     """`delegations` holds one summary per method; `delegation` adds them up. `quantize` says what quantization was
-    applied (None: none). `adapters` maps each adapter loaded into the model to its `.ptd` file (switched at run time
-    by `Runner.set_adapter`). `tokenizer`: the directory the tokenizer was saved to beside the program (None: none
-    was given), and `tokenizer_source` where it came from."""
+    applied (None: none). `adapters` maps each adapter loaded into the model to its file, switched at run time by
+    `Runner.set_adapter`: its tensors (`.ptd`) or, with `adapter_mode="programs"`, its program (`.pte`), which reads
+    the base weights from `data_path` as the base program does (None: the weights are inside the program).
+    `tokenizer`: the directory the tokenizer was saved to beside the program (None: none was given), and
+    `tokenizer_source` where it came from."""
 
     path: Path
     backend: str
@@ -66,6 +75,7 @@ class ExportResult:
     adapters: dict[str, Path] = field(default_factory=dict)
     tokenizer: Path | None = None
     tokenizer_source: str | None = None
+    data_path: Path | None = None
 
     @property
     def delegation(self) -> DelegationSummary:
@@ -93,6 +103,7 @@ class ExportPlan:
     calibration: list[list[int]] | None = None
     max_draft: int | None = None  # dynamic programs: a `verify` method for this many proposed tokens
     draft: nn.Module | None = field(default=None, repr=False)  # a draft model whose methods go in the same file
+    adapter_mode: str = ADAPTER_SLOTS  # how LoRA adapters ship (`etblocks.export.adapters`)
     say: Progress = field(default=lambda message: None, repr=False)
 
     @property
@@ -120,6 +131,7 @@ def export(
     tokenizer: Any = None,
     max_draft: int | None = None,
     draft: nn.Module | None = None,
+    adapter_mode: str = ADAPTER_SLOTS,
 ) -> ExportResult:
     """Export, lower and save.
 
@@ -129,11 +141,14 @@ def export(
     `decode` over one copy of the weights, with the contract of `etblocks.export.contract` recorded in the
     program. Any backend takes either program, so an NPU swap can be checked on the host.
 
-    LoRA adapters loaded into the model (`etblocks.load_adapter`): the program gets LoRA slots (buffers set by
-    a `set_adapter` method in a dynamic program, inputs of every call in a static one; see
-    `etblocks.export.adapters`), and each adapter goes to its own file next to `out` (`<stem>.<adapter
-    name>.ptd`); the program starts as the base model. A quantized static program is calibrated with every
-    adapter and with none.
+    LoRA adapters loaded into the model (`etblocks.load_adapter`), as `adapter_mode` says (see
+    `etblocks.export.adapters`): "slots" (default) gives the program LoRA slots (buffers set by a `set_adapter`
+    method in a dynamic program, inputs of every call in a static one) and writes each adapter's tensors next to
+    `out` (`<stem>.<adapter name>.ptd`); the program starts as the base model, and a quantized static program is
+    calibrated with every adapter and with none. "programs" (dynamic programs, backends with
+    `external_weights`) writes the base model's program to `out` with its weights in `<stem>.ptd`, and each
+    adapter as a program of its own (`<stem>.<adapter name>.pte`) holding the adapter's tensors and reading every
+    other weight from `<stem>.ptd`: the adapter decodes at the base's speed, a switch loads its program.
 
     Two kinds of quantization, each for the backends that run it (see `etblocks.export.weights`):
     - `quantize_weights`: torchao weight schemes for a backend with such kernels (xnnpack): "8da4w" (int8 dynamic
@@ -171,19 +186,49 @@ def export(
         model, backend, max_seq_len=max_seq_len, bos_id=bos_id, eos_ids=eos_ids, vocab_size=vocab_size,
         quantize_weights=quantize_weights, group_size=group_size, quantize_embedding=quantize_embedding,
         quantize_activations=quantize_activations, calibration=calibration, backend_options=backend_options,
-        progress=progress, max_draft=max_draft, draft=draft,
+        progress=progress, max_draft=max_draft, draft=draft, adapter_mode=adapter_mode,
     )
     info = getattr(model, "etblocks_swap", None)
     if info is not None and info.recipe.partition == "hybrid":
         partitioners = [attention_on_cpu(p) for p in partitioners]
     has_adapters = bool(lora_layers(model))
+    if has_adapters and plan.adapter_mode == ADAPTER_PROGRAMS:
+        return _export_adapter_programs(model, plan, partitioners, out, text_tokenizer)
     slotted = has_adapters and not (info is not None and info.recipe.static)  # slots as buffers
     if slotted:
         partitioners = [keep_slots_on_cpu(p) for p in partitioners]
+    lowered = _lower(model, plan, partitioners, share_mutable_buffers=slotted)
+    start = time.perf_counter()
+    path = write_whole(out, lowered.executorch_program.buffer)
+    adapters = {}
+    if has_adapters:
+        for name in adapter_names(model):
+            adapters[name] = save_adapter_file(adapter_tensors(model, name), adapter_file(path, name))
+    lowered.seconds["serialize"] += time.perf_counter() - start
+    return _result(lowered, path, plan, text_tokenizer, adapters)
+
+
+@dataclass
+class _Lowered:
+    """One program exported, lowered and serialized (not yet written)."""
+
+    methods: list[str]
+    metadata: dict
+    delegations: dict[str, DelegationSummary]
+    executorch_program: Any
+    seconds: dict[str, float]
+
+
+def _lower(model: nn.Module, plan: ExportPlan, partitioners: list, share_mutable_buffers: bool = False,
+           weights_tag: str | None = None, inside: Sequence[torch.Tensor] = ()) -> _Lowered:
+    """`model`'s program exported, lowered and serialized as `plan` says. `weights_tag`: its constants go to that
+    data file, but the tensors `inside` (`etblocks.export.external`)."""
     start = time.perf_counter()
     program, exported = _export_methods(model, plan)
     for ep in exported.values():
         plan.backend.apply_passes(ep)
+        if weights_tag is not None:
+            tag_constants(ep, weights_tag, inside)
     seconds = {"export": time.perf_counter() - start}
 
     start = time.perf_counter()
@@ -201,15 +246,43 @@ def export(
 
     start = time.perf_counter()
     plan.say("serializing")
-    executorch_program = edge.to_executorch(_backend_config(share_mutable_buffers=slotted or VERIFY_METHOD in exported))
-    path = write_whole(out, executorch_program.buffer)
+    config = _backend_config(share_mutable_buffers or VERIFY_METHOD in exported, weights_tag is not None)
+    executorch_program = edge.to_executorch(config)
+    seconds["serialize"] = time.perf_counter() - start  # the caller adds writing the file
+    return _Lowered([*exported, *program.metadata], program.metadata, delegations, executorch_program, seconds)
+
+
+def _export_adapter_programs(model: nn.Module, plan: ExportPlan, partitioners: list, out: str | Path,
+                             text_tokenizer: Any) -> ExportResult:
+    """`adapter_mode="programs"`: the base model's program at `out` with its weights in `weights_file(out)`, and
+    one program per adapter (`adapter_program_file`) holding that adapter's tensors as constants and reading
+    every other constant from the same weights file."""
+    check_unmerged(model)
+    plan.say("the base program, its weights in a file of their own")
+    with adapter_active(model, None):
+        base = _lower(model, plan, partitioners, weights_tag=WEIGHTS_TAG)
+    start = time.perf_counter()
+    path = write_whole(out, base.executorch_program.buffer)
+    data_path = write_weights(base.executorch_program, weights_file(path))
+    base.executorch_program = None  # its serialized weights, let go before the next program's
+    base.seconds["serialize"] += time.perf_counter() - start
     adapters = {}
-    if has_adapters:
-        for name in adapter_names(model):
-            adapters[name] = save_adapter_file(adapter_tensors(model, name), adapter_file(path, name))
-    seconds["serialize"] = time.perf_counter() - start
-    methods = [*exported, *program.metadata]
-    result = ExportResult(path, plan.backend.name, methods, program.metadata, delegations, seconds, plan.applied, adapters)
+    for name in adapter_names(model):
+        plan.say(f"the program of adapter {name!r}, reading the base's weights from {data_path.name}")
+        with adapter_active(model, name):
+            lowered = _lower(model, plan, partitioners, weights_tag=WEIGHTS_TAG, inside=adapter_constants(model, name))
+        adapters[name] = write_whole(adapter_program_file(path, name), lowered.executorch_program.buffer)
+        for step, seconds in lowered.seconds.items():
+            base.seconds[step] += seconds
+    result = _result(base, path, plan, text_tokenizer, adapters)
+    result.data_path = data_path
+    plan.say(f"wrote the base weights to {data_path} ({data_path.stat().st_size / 1e6:.1f} MB)")
+    return result
+
+
+def _result(lowered: _Lowered, path: Path, plan: ExportPlan, text_tokenizer: Any, adapters: dict[str, Path]) -> ExportResult:
+    result = ExportResult(path, plan.backend.name, lowered.methods, lowered.metadata, lowered.delegations,
+                          lowered.seconds, plan.applied, adapters)
     if text_tokenizer is not None:
         result.tokenizer = save_tokenizer(text_tokenizer, path)
         result.tokenizer_source = getattr(text_tokenizer, "name_or_path", "") or type(text_tokenizer).__name__
@@ -263,9 +336,11 @@ def make_plan(
     progress: Progress | None = None,
     max_draft: int | None = None,
     draft: nn.Module | None = None,
+    adapter_mode: str = ADAPTER_SLOTS,
 ) -> ExportPlan:
     """The export's plan with every option checked (`ConfigError` naming it), before any work."""
     spec = get_backend(backend)
+    adapter_mode = check(OPTIONS["adapter_mode"], adapter_mode)
     options = spec.check_options(backend_options)
     weights = weight_quantization(spec, quantize_weights, group_size, quantize_embedding)
     info = getattr(model, "etblocks_swap", None)
@@ -288,6 +363,8 @@ def make_plan(
         )
     if recipe is not None:
         check_lowers(recipe, backend)
+    if adapter_mode == ADAPTER_PROGRAMS and lora_layers(model):
+        _check_adapter_programs(spec, recipe)
     if max_draft is not None:
         max_draft = check(OPTIONS["max_draft"], max_draft)
         check_verifiable(model, max_draft)
@@ -306,7 +383,25 @@ def make_plan(
         say=progress or (lambda message: None),
         max_draft=max_draft,
         draft=draft,
+        adapter_mode=adapter_mode,
     )
+
+
+def _check_adapter_programs(backend: Backend, recipe: Recipe | None) -> None:
+    """`ConfigError` unless adapter programs can share the base's weights file: a dynamic program, lowered for a
+    backend whose programs read their constants from one (`Backend.external_weights`)."""
+    if recipe is not None and recipe.static:
+        raise ConfigError(
+            f"adapter_mode={ADAPTER_PROGRAMS!r} takes dynamic programs; this model was swapped for static shapes, whose "
+            f"programs take the adapters as inputs of every call: export with adapter_mode={ADAPTER_SLOTS!r}"
+        )
+    if not backend.external_weights:
+        sharing = sorted(b.name for b in backends() if b.external_weights)
+        raise ConfigError(
+            f"adapter_mode={ADAPTER_PROGRAMS!r} needs programs that read their weights from a shared .ptd file; "
+            f"backend={backend.name!r} keeps them in its own compiled form (backends that share: {sharing}); export "
+            f"with adapter_mode={ADAPTER_SLOTS!r}"
+        )
 
 
 def _check_draft(model: nn.Module, draft: nn.Module, max_draft: int | None, max_seq_len: int | None) -> None:
@@ -394,7 +489,7 @@ def _export_dynamic(model: nn.Module, plan: ExportPlan, max_seq_len: int | None,
     `wrap` wraps each method's module (`DraftProgram`)."""
     program = dynamic_program(model, max_seq_len, vocab_size=plan.vocab_size, **tokens)
     plan.say(f"exporting with torch.export (T dynamic in 1..{program.max_call_len}, context {program.max_seq_len})")
-    slotted = bool(lora_layers(program.module))
+    slotted = plan.adapter_mode == ADAPTER_SLOTS and bool(lora_layers(program.module))
     verify = verify_program(model, plan.max_draft) if plan.max_draft is not None else None
     wrap = wrap or (lambda module: module)
     with _weights_quantized(model, program.module, program.example_inputs(), plan), \
@@ -432,8 +527,9 @@ def _torch_export(module: nn.Module, example_inputs: tuple, dynamic_shapes=None)
         module.train(was_training)
 
 
-def _backend_config(share_mutable_buffers: bool = False):
-    """`share_mutable_buffers`: methods that name the same buffer use one copy of it (LoRA slots)."""
+def _backend_config(share_mutable_buffers: bool = False, external: bool = False):
+    """`share_mutable_buffers`: methods that name the same buffer use one copy of it (LoRA slots). `external`: the
+    constants left on CPU go to the data file their tag names, as the delegates' do (`etblocks.export.external`)."""
     from executorch.exir import ExecutorchBackendConfig
     from executorch.exir.passes import MemoryPlanningPass
     from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
@@ -443,4 +539,5 @@ def _backend_config(share_mutable_buffers: bool = False):
         memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False, share_mutable_buffers=share_mutable_buffers),
         sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass(),
         emit_mutable_buffer_names=share_mutable_buffers,
+        external_constants=constant_tag if external else False,
     )

@@ -3,6 +3,7 @@ text (`etblocks.export.chat.Chat` keeps a conversation going on one)."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -11,9 +12,10 @@ import numpy
 import torch
 
 from etblocks.adapters.files import read_adapter_file
-from etblocks.errors import ConfigError, ContextOverflowError
+from etblocks.errors import AdapterMismatchError, ConfigError, ContextOverflowError, EtblocksError
 from etblocks.export.adapters import ADAPTERS_METHOD, SET_ADAPTER_METHOD, AdapterTable
 from etblocks.export.contract import CONTRACT_METHOD, StaticContract
+from etblocks.export.external import weights_file
 from etblocks.export.feeders import DynamicFeeder, StaticFeeder
 from etblocks.export.sampling import distribution, draw, sample
 from etblocks.export.speculate import (
@@ -29,7 +31,7 @@ from etblocks.export.speculate import (
 )
 from etblocks.export.text import Message, encode, encode_chat, find_tokenizer, load_tokenizer, text_pieces
 from etblocks.ops import load_kernels
-from etblocks.program_files import load_program
+from etblocks.program_files import is_program_file, load_program
 
 
 class Runner:
@@ -45,9 +47,14 @@ class Runner:
     `tokenizer`: a directory, a tokenizer.json or a transformers tokenizer; default: the one `etblocks.export`
     saved beside the program (`<stem>.tokenizer/`), loaded when text first needs it.
 
-    `adapters` (programs exported with LoRA adapters): `{name: adapter file}` or `{name: (file, scale)}`, read
-    into host memory now; `set_adapter(name | None)` switches between them and the base model without reloading
-    the program. The program starts as the base model.
+    `data_path`: the data file holding the program's weights when they were written apart (default: `<stem>.ptd`
+    beside the program, if there is one).
+
+    `adapters` (programs exported with LoRA adapters): `{name: adapter file}` or `{name: (file, scale)}`; the
+    program starts as the base model and `set_adapter(name | None)` switches. Adapter files (`.ptd`) are read into
+    host memory now and switched without reloading the program; adapter programs (`.pte`, exported with
+    `adapter_mode="programs"`) are each loaded by the switch to them, in place of the program running, with the
+    same data file.
 
     `draft`: the draft model exported into the same file (`export(..., draft=...)`), as a Runner of its methods
     over the loaded program (None: the file has none); `generate(..., speculate="draft")` proposes with it.
@@ -62,16 +69,36 @@ class Runner:
         tokenizer: Any = None,
     ) -> None:
         path = Path(path)
-        program = load_program(path, data_path)  # ProgramFileError for a file that is not a program
+        if data_path is None and weights_file(path).is_file():
+            data_path = weights_file(path)
+        self.data_path = None if data_path is None else Path(data_path)
+        program = load_program(path, self.data_path)  # ProgramFileError for a file that is not a program
         load_kernels()  # before any method loads, after the file checks: a file that is no program fails first
-        self._open(program, path, "", decode_tail, tokenizer if tokenizer is not None else find_tokenizer(path))
+        self.base_path = path
+        self._decode_tail = decode_tail
+        self._start(tokenizer if tokenizer is not None else find_tokenizer(path))
+        self._adapter_programs: dict[str, Path] = {}
+        self._open_with_draft(program, path)
         for name, file in (adapters or {}).items():
             self.add_adapter(name, *(file if isinstance(file, tuple) else (file,)))
+
+    def _start(self, tokenizer_source: Any) -> None:
+        """What the runner keeps whichever program it runs: the tokenizer, the adapters, the last outputs."""
+        self._adapters: dict[str, list[torch.Tensor]] = {}
+        self.adapter: str | None = None
+        self.last_ids: list[int] = []  # the tokens the last generate / stream / chat call produced
+        self.last_speculation: SpeculationStats | None = None  # what the last speculative generation did
+        self._tokenizer_source = tokenizer_source
+        self._tokenizer: Any = None
+
+    def _open_with_draft(self, program: Any, path: Path) -> None:
+        self._open(program, path, "", self._decode_tail)
         if DRAFT_PREFIX + "forward" in program.method_names:
             self.draft = Runner.__new__(Runner)
-            self.draft._open(program, path, DRAFT_PREFIX, None, self._tokenizer_source)
+            self.draft._start(self._tokenizer_source)
+            self.draft._open(program, path, DRAFT_PREFIX, None)
 
-    def _open(self, program: Any, path: Path, prefix: str, decode_tail: int | None, tokenizer_source: Any) -> None:
+    def _open(self, program: Any, path: Path, prefix: str, decode_tail: int | None) -> None:
         """Take the methods of `program` whose names start with `prefix` (a draft model's: `DRAFT_PREFIX`)."""
         self.program, self.path, self._prefix = program, path, prefix
         self.draft: Runner | None = None
@@ -102,13 +129,22 @@ class Runner:
             self._set_slots = self._load(SET_ADAPTER_METHOD)
         elif self.contract is not None and self.contract.adapters:
             self.adapter_table = self.contract.adapter_table  # passed with every call by the feeder
-        self._adapters: dict[str, list[torch.Tensor]] = {}
         self._base_slots = self.adapter_table.inputs(None) if self.adapter_table is not None else []
-        self.adapter: str | None = None
-        self.last_ids: list[int] = []  # the tokens the last generate / stream / chat call produced
-        self.last_speculation: SpeculationStats | None = None  # what the last speculative generation did
-        self._tokenizer_source = tokenizer_source
-        self._tokenizer: Any = None
+
+    def _switch_program(self, path: Path) -> None:
+        """Run the program at `path` (an adapter program or the base) instead of the current one, which is let go
+        first so that one copy of the packed weights is held at a time; the current one again if `path` fails."""
+        current = self.path
+        self.program = self._feeder = self.draft = None
+        gc.collect()
+        try:
+            self._open_with_draft(load_program(path, self.data_path), path)
+        except EtblocksError as exc:
+            self._open_with_draft(load_program(current, self.data_path), current)
+            raise AdapterMismatchError(
+                f"{path} could not run with the weights of {self.data_path} ({exc}); is it an adapter program exported "
+                f"with {self.base_path}?"
+            ) from None
 
     @property
     def tokenizer(self) -> Any:
@@ -123,29 +159,63 @@ class Runner:
         return self._tokenizer
 
     def add_adapter(self, name: str, path: str | Path, scale: float = 1.0) -> None:
-        """Read the adapter file at `path` (written by `etblocks.export`) as `name`, its update scaled by `scale`;
-        checked against the program's LoRA slots first (`AdapterMismatchError` if it does not fit). Adding a
-        name again replaces it (e.g. with another scale)."""
+        """Add adapter `name` from `path`, written by `etblocks.export`: an adapter file (`.ptd`), read now with
+        its update scaled by `scale` and checked against the program's LoRA slots; or an adapter program
+        (`adapter_mode="programs"`), checked against the base program now and loaded by `set_adapter`.
+        `AdapterMismatchError` if it does not fit. Adding a name again replaces it (e.g. with another scale)."""
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"name={name!r} is not accepted; give a non-empty adapter name")
+        if self.data_path is not None and is_program_file(path):  # adapter programs read the base's data file
+            program = self._adapter_program(Path(path), scale)
+            self._adapters.pop(name, None)
+            self._adapter_programs[name] = program
+            return
         if self.adapter_table is None:
             raise ConfigError(
                 "this program has no LoRA slots; load adapters into the model (etblocks.load_adapter) before "
                 "etblocks.export"
             )
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"name={name!r} is not accepted; give a non-empty adapter name")
         self._adapters[name] = self.adapter_table.inputs(read_adapter_file(path), scale)
+        self._adapter_programs.pop(name, None)
+
+    def _adapter_program(self, path: Path, scale: float) -> Path:
+        """`path` once it is known to be an adapter program of the base this runner started with."""
+        if scale != 1.0:
+            raise ConfigError(
+                f"scale={scale!r} for the adapter program {path}: its update is part of the program as exported; export "
+                "it again after etblocks.load_adapter(..., scale=S), or export with adapter_mode='slots' to scale at run time"
+            )
+        program = load_program(path, self.data_path)
+        mine, theirs = self.program.method_names, program.method_names
+        differs = [
+            name for name in sorted(mine | theirs)
+            if name not in mine or name not in theirs or (name.startswith("get_") and self._metadata(self.program, name)
+                                                           != self._metadata(program, name))
+        ]
+        if differs:
+            raise AdapterMismatchError(
+                f"{path} is not an adapter program of {self.base_path}: their methods or metadata differ ({differs[:4]})"
+            )
+        return path
+
+    @staticmethod
+    def _metadata(program: Any, name: str) -> str:
+        return str(program.load_method(name).execute([]))
 
     @property
     def adapters(self) -> list[str]:
-        return sorted(self._adapters)
+        return sorted([*self._adapters, *self._adapter_programs])
 
     def set_adapter(self, name: str | None) -> None:
-        """Run with adapter `name` (None: the base model). Starts a new sequence: cached rows were computed
-        under the previous adapter."""
-        if name is not None and name not in self._adapters:
+        """Run with adapter `name` (None: the base model): new slot values, or the adapter's program loaded in
+        place of the current one. Starts a new sequence: cached rows were computed under the previous adapter."""
+        if name is not None and name not in self.adapters:
             raise ConfigError(f"name={name!r} is not an added adapter; added: {self.adapters}, or None for the base model")
+        program = self._adapter_programs.get(name, self.base_path)
+        if program != self.path:
+            self._switch_program(program)
         if self.adapter_table is not None:  # a program without slots is the base model already
-            slots = self._adapters[name] if name is not None else self._base_slots
+            slots = self._adapters[name] if name in self._adapters else self._base_slots
             if self.contract is None:
                 self._set_slots.execute(slots)
             else:

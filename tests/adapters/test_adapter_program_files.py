@@ -1,0 +1,138 @@
+"""`adapter_mode="programs"`: the base weights in one data file, each adapter a small program reading them, against
+`peft.PeftModel`.
+
+A tiny llama with two PEFT adapters (A: rank and alpha patterns on four module kinds; B: rsLoRA on every linear),
+exported once: `model.pte` (the base), `model.ptd` (its weights), `model.A.pte`, `model.B.pte`. One Runner
+switches A, B, none and A again: last-token logits equal PeftModel's (fp32, atol 1e-4) and 32 greedy tokens equal
+its `generate`. The programs hold no base weight, each adapter program holds its adapter's tensors, and the adapter
+runs as constant linears (no LoRA slot, no batched matmul). Files that do not fit are refused with the runner
+left as it was.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+
+import pytest
+import torch
+from hf_models import hf_greedy, prompt_ids, tiny_model
+from peft_refs import ADAPTERS, make_adapters, peft_reference, peft_with, swapped_with
+
+import etblocks
+from etblocks.backends import _REGISTRY, Backend, register_backend
+from etblocks.errors import AdapterMismatchError, ConfigError, ProgramFileError
+from etblocks.export.adapters import adapter_program_file, exported_adapters, lora_layers
+from etblocks.export.external import weights_file
+
+ATOL = 1e-4  # the exported program vs eager PEFT
+CONTEXT = 64
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """(base, PeftModel with A and B, the ExportResult, adapter dirs, each LoRA layer's active adapter before and
+    after the export)."""
+    base = tiny_model("llama")
+    root = tmp_path_factory.mktemp("adapter-programs")
+    dirs = make_adapters(base, root)
+    model = swapped_with(base, dirs)
+    before = [layer.active for _, layer in lora_layers(model)]
+    result = etblocks.export(model, backend="xnnpack", out=root / "model.pte", adapter_mode="programs")
+    return base, peft_reference(base, dirs), result, dirs, (before, [layer.active for _, layer in lora_layers(model)])
+
+
+@pytest.mark.slow
+def test_adapter_programs_switch_and_match_peft(exported):
+    base, reference, result, _, (before, after) = exported
+    assert result.data_path == weights_file(result.path) == result.path.with_name("model.ptd")
+    assert result.adapters == {name: adapter_program_file(result.path, name) for name in ADAPTERS}
+    assert exported_adapters(result.path) == result.adapters
+    assert after == before and set(before) == {"B"}  # the export leaves the model's adapters as they were
+    runner = etblocks.Runner(result.path, adapters=result.adapters)  # finds model.ptd beside the program
+    assert runner.data_path == result.data_path and runner.adapters == sorted(ADAPTERS)
+    prompt = prompt_ids(12)
+    seen = {}
+    for name in ("A", "B", None, "A"):
+        runner.set_adapter(name)
+        assert runner.path == result.adapters.get(name, result.path)
+        with peft_with(reference, name) as peft_model, torch.no_grad():
+            expected_logits = peft_model(prompt).logits[0, -1]
+            expected = hf_greedy(peft_model, prompt, 32)
+        logits = runner.forward(prompt[0].tolist())
+        assert (logits - expected_logits).abs().max().item() <= ATOL, name
+        runner.reset()
+        assert runner.generate(prompt[0].tolist(), max_new_tokens=32) == expected, name
+        seen[name] = expected
+    assert seen[None] == hf_greedy(base, prompt, 32)
+    assert len({tuple(tokens) for tokens in seen.values()}) == 3, "each adapter must change the output"
+
+
+@pytest.mark.slow
+def test_programs_hold_no_base_weight_and_the_adapter_as_constant_linears(exported):
+    base, _, result, dirs, _ = exported
+    weight_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
+    assert result.data_path.stat().st_size >= weight_bytes  # every base weight (tied embedding once) is in model.ptd
+    assert result.path.stat().st_size < weight_bytes / 4
+    for name, program in result.adapters.items():
+        adapter = sum(t.numel() * t.element_size() for t in read_peft_tensors(dirs[name]))
+        assert adapter <= program.stat().st_size - result.path.stat().st_size < adapter + weight_bytes / 4, name
+    assert "bmm" not in str(result.delegation) and "view_copy" not in str(result.delegation)
+
+
+def read_peft_tensors(directory) -> list[torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return list(load_file(directory / "adapter_model.safetensors").values())
+
+
+@pytest.mark.slow
+def test_adapter_programs_that_do_not_fit_are_refused(exported, tmp_path):
+    _, _, result, _, _ = exported
+    runner = etblocks.Runner(result.path, adapters=result.adapters)
+    with pytest.raises(ConfigError, match="scale=0.5 for the adapter program"):
+        runner.add_adapter("half", result.adapters["A"], 0.5)
+    alone = tmp_path / "alone.pte"
+    shutil.copy(result.path, alone)  # no alone.ptd beside it: its weights are not found
+    with pytest.raises(ProgramFileError, match="needs their data file"):
+        etblocks.Runner(alone)
+    other = tiny_model("llama", seed=7)
+    other_result = etblocks.export(
+        swapped_with(other, {"A": exported[3]["A"]}), backend="xnnpack", out=tmp_path / "other.pte", adapter_mode="programs"
+    )
+    runner.add_adapter("foreign", other_result.adapters["A"])  # same methods and metadata, other weights
+    runner.set_adapter("A")
+    with pytest.raises(AdapterMismatchError, match="is it an adapter program exported with"):
+        runner.set_adapter("foreign")
+    assert runner.path == result.adapters["A"] and runner.adapter == "A"  # still runs A
+    assert len(runner.generate(prompt_ids(4)[0].tolist(), max_new_tokens=4)) == 4
+
+
+class OwnWeights(Backend):
+    """A backend with dynamic programs whose weights stay in its own compiled form (`external_weights` False)."""
+
+    name = "own-weights"
+    dynamic_shapes = True
+
+    def partitioners(self, options) -> list:
+        return []
+
+
+def test_adapter_mode_is_checked_before_any_work(tmp_path):
+    base = tiny_model("llama")
+    dirs = make_adapters(base, tmp_path)
+    model = swapped_with(base, {"B": dirs["B"]})
+    with pytest.raises(ConfigError, match=r"adapter_mode='stacked' \(str\) is not accepted; choose one of \['slots', 'programs'\]"):
+        etblocks.export(model, backend="xnnpack", out=tmp_path / "m.pte", adapter_mode="stacked")
+    register_backend(OwnWeights)
+    try:
+        with pytest.raises(ConfigError, match=r"backend='own-weights' keeps them in its own compiled form .* "
+                                              r"\['portable', 'xnnpack'\]"):
+            etblocks.export(model, backend="own-weights", out=tmp_path / "m.pte", adapter_mode="programs")
+    finally:
+        _REGISTRY.pop("own-weights")
+    static = etblocks.swap(copy.deepcopy(base), backend="xnnpack", max_seq_len=CONTEXT, shapes="static")
+    etblocks.load_adapter(static, dirs["B"], name="B")
+    with pytest.raises(ConfigError, match="takes dynamic programs"):
+        etblocks.export(static, backend="xnnpack", out=tmp_path / "s.pte", adapter_mode="programs")
+    assert not list(tmp_path.glob("*.pte"))
