@@ -625,7 +625,7 @@ def run(args: argparse.Namespace, shape: Shape, bench: Bench, started: float) ->
     sizes.append(["adapter programs: base .pte", f"{programs_bytes:,}", f"{programs_bytes / 1e6:.2f}",
                   "the base program without its weights"])
     sizes.append(["  base weights .ptd", f"{weights_bytes:,}", f"{weights_bytes / 1e6:.2f}",
-                  f"{(programs_bytes + weights_bytes - base_bytes) / 1e3:+.1f} KB with the .pte vs base-only"])
+                  f"{(programs_bytes + weights_bytes - base_bytes) / 1e6:+.2f} MB, base .pte and .ptd vs base-only"])
     for a in ADAPTERS:
         size = programs_result.adapters[a.name].stat().st_size
         _, tensor_bytes, _ = peft_tensor_bytes(dirs[a.name])
@@ -664,6 +664,7 @@ def run(args: argparse.Namespace, shape: Shape, bench: Bench, started: float) ->
     delegations = [("base-only forward", str(base_result.delegations["forward"])),
                    ("slot program forward", str(slot_result.delegations["forward"])),
                    ("adapter programs, base forward", str(programs_result.delegations["forward"])),
+                   ("adapter program A forward", str(programs_result.adapter_delegations["A"]["forward"])),
                    ("slot program set_adapter", str(slot_result.delegations["set_adapter"]))]
     for p in programs:
         verdicts.add(check_tokens(p.key, p.tokens, references[p.reference], f"PEFT {p.reference!r}"))

@@ -61,8 +61,8 @@ class ExportResult:
     """`delegations` holds one summary per method; `delegation` adds them up. `quantize` says what quantization was
     applied (None: none). `adapters` maps each adapter loaded into the model to its file, switched at run time by
     `Runner.set_adapter`: its tensors (`.ptd`) or, with `adapter_mode="programs"`, its program (`.pte`), which reads
-    the base weights from `data_path` as the base program does (None: the weights are inside the program).
-    `tokenizer`: the directory the tokenizer was saved to beside the program (None: none was given), and
+    the base weights from `data_path` as the base program does (None: the weights are inside the program), its
+    methods summarized in `adapter_delegations[name]`. `tokenizer`: the directory the tokenizer was saved to beside the program (None: none was given), and
     `tokenizer_source` where it came from."""
 
     path: Path
@@ -76,6 +76,7 @@ class ExportResult:
     tokenizer: Path | None = None
     tokenizer_source: str | None = None
     data_path: Path | None = None
+    adapter_delegations: dict[str, dict[str, DelegationSummary]] = field(default_factory=dict)
 
     @property
     def delegation(self) -> DelegationSummary:
@@ -266,16 +267,17 @@ def _export_adapter_programs(model: nn.Module, plan: ExportPlan, partitioners: l
     data_path = write_weights(base.executorch_program, weights_file(path))
     base.executorch_program = None  # its serialized weights, let go before the next program's
     base.seconds["serialize"] += time.perf_counter() - start
-    adapters = {}
+    adapters, delegations = {}, {}
     for name in adapter_names(model):
         plan.say(f"the program of adapter {name!r}, reading the base's weights from {data_path.name}")
         with adapter_active(model, name):
             lowered = _lower(model, plan, partitioners, weights_tag=WEIGHTS_TAG, inside=adapter_constants(model, name))
         adapters[name] = write_whole(adapter_program_file(path, name), lowered.executorch_program.buffer)
+        delegations[name] = lowered.delegations
         for step, seconds in lowered.seconds.items():
             base.seconds[step] += seconds
     result = _result(base, path, plan, text_tokenizer, adapters)
-    result.data_path = data_path
+    result.data_path, result.adapter_delegations = data_path, delegations
     plan.say(f"wrote the base weights to {data_path} ({data_path.stat().st_size / 1e6:.1f} MB)")
     return result
 

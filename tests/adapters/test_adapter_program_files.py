@@ -23,6 +23,7 @@ import etblocks
 from etblocks.backends import _REGISTRY, Backend, register_backend
 from etblocks.errors import AdapterMismatchError, ConfigError, ProgramFileError
 from etblocks.export.adapters import adapter_program_file, exported_adapters, lora_layers
+from etblocks.export.delegation import DelegationSummary
 from etblocks.export.external import weights_file
 
 ATOL = 1e-4  # the exported program vs eager PEFT
@@ -77,7 +78,13 @@ def test_programs_hold_no_base_weight_and_the_adapter_as_constant_linears(export
     for name, program in result.adapters.items():
         adapter = sum(t.numel() * t.element_size() for t in read_peft_tensors(dirs[name]))
         assert adapter <= program.stat().st_size - result.path.stat().st_size < adapter + weight_bytes / 4, name
-    assert "bmm" not in str(result.delegation) and "view_copy" not in str(result.delegation)
+    base = result.delegation
+    assert set(result.adapter_delegations) == set(ADAPTERS)
+    for name, delegations in result.adapter_delegations.items():  # the LoRA path delegated whole, as linears
+        summary = DelegationSummary.combine(delegations.values())
+        assert summary.cpu_ops == base.cpu_ops and len(summary.partitions) == len(base.partitions), name
+        added = summary.delegated_ops - base.delegated_ops
+        assert set(added) == {"aten.linear", "aten.mul.Tensor", "aten.add.Tensor"}, (name, added)
 
 
 def read_peft_tensors(directory) -> list[torch.Tensor]:
