@@ -434,10 +434,9 @@ def _adapter_file(options: Resolved, runner, name: str, file: str | None) -> Pat
     the program as NAME, the adapter's tensors (.ptd) for a program with LoRA slots or its program (.pte) for a base
     program whose weights are apart."""
     from etblocks.export.adapters import adapter_file, adapter_program_file, exported_adapters
-    from etblocks.program_files import is_program_file
 
     where, pte = options.where("adapter"), options["pte"]
-    if runner.adapter_table is None and not (file and is_program_file(file)) and runner.data_path is None:
+    if runner.adapter_table is None and runner.data_path is None:  # neither slots nor weights that programs share
         raise ConfigError(
             f"adapter={name!r} ({where}): {pte} was exported without adapters, so it has no LoRA slots; export it "
             f"with --adapter {name}=DIR (a PEFT or torchtune adapter directory) to run it with {name!r}"

@@ -196,10 +196,10 @@ def adapter_dirs(value: Any) -> dict[str, str]:
 
 
 def adapter_choice(value: Any) -> tuple[str, str | None]:
-    """`(name, file or None)` from "NAME" (the file written next to the .pte) or "NAME=FILE.ptd"."""
+    """`(name, file or None)` from "NAME" (the file written next to the .pte) or "NAME=FILE" (.ptd or .pte)."""
     name, separator, file = text(value).partition("=")
     if not name.strip() or (separator and not file.strip()):
-        raise Rejected("give an adapter name, or NAME=FILE.ptd")
+        raise Rejected("give an adapter name, or NAME=FILE (an adapter file .ptd or adapter program .pte)")
     return name, file or None
 
 
@@ -266,8 +266,8 @@ OPTIONS_LIST = (
            "that backend's default when exporting to it", default="auto", metavar="SCHEME"),
     Option("calibration", EXPORT, path, "prompts to calibrate --quantize-activations with: one prompt of comma-separated "
            "token ids per line (default: seeded random ids, a rough calibration)", metavar="TXT"),
-    Option("adapters", EXPORT, adapter_dirs, "a LoRA adapter (PEFT or torchtune directory) shipped as <out stem>.NAME.ptd; "
-           "repeat for more", kind="append", metavar="NAME=DIR", flag="--adapter"),
+    Option("adapters", EXPORT, adapter_dirs, "a LoRA adapter (PEFT or torchtune directory) shipped as <out stem>.NAME.ptd "
+           "(.pte with --adapter-mode programs); repeat for more", kind="append", metavar="NAME=DIR", flag="--adapter"),
     Option("adapter_mode", EXPORT, one_of(*ADAPTER_MODES), "how adapters ship: slots (one program, each adapter a "
            "<out stem>.NAME.ptd of its tensors, switched in milliseconds) or programs (the base weights in <out stem>.ptd, "
            "each adapter a small <out stem>.NAME.pte holding its tensors as constants: the base's decode speed, a "
@@ -289,7 +289,8 @@ OPTIONS_LIST = (
     Option("temperature", GENERATE, temperature, "0 is greedy", default=0.0, kind=float, metavar="T"),
     Option("top_p", GENERATE, top_p, "nucleus sampling mass in (0, 1]", default=1.0, kind=float, metavar="P"),
     Option("seed", GENERATE, int_at_least(0), "random seed for sampling", kind=int, metavar="S"),
-    Option("adapter", GENERATE, adapter_choice, "run with this LoRA adapter: NAME (exported next to the .pte) or NAME=FILE.ptd",
+    Option("adapter", GENERATE, adapter_choice, "run with this LoRA adapter: NAME (exported next to the .pte) or NAME=FILE "
+           "(an adapter file, .ptd, or an adapter program, .pte)",
            metavar="NAME"),
     Option("adapter_scale", GENERATE, number, "multiply the adapter's update by S (default: 1)", kind=float, metavar="S"),
     choice("speculate", GENERATE, ("prompt_lookup", "draft"), "speculative decoding: propose tokens and check them in "

@@ -19,21 +19,17 @@ WEIGHTS_TAG = "weights"  # the tag of the base weights' data file (written as `w
 TAG_KEY = "delegate_constant_tag"  # read from `node.meta["custom"]` by ExecuTorch's lowering and by `constant_tag`
 
 
-def tag_constants(ep: torch.export.ExportedProgram, tag: str, inside: Iterable[torch.Tensor] = ()) -> int:
+def tag_constants(ep: torch.export.ExportedProgram, tag: str, inside: Iterable[torch.Tensor] = ()) -> None:
     """Tag every constant of `ep` (parameters, buffers no method writes, lifted constants) for the data file `tag`,
-    but the tensors `inside` (the module's own tensor objects, which `ep.state_dict` holds); returns how many were
-    tagged."""
+    but the tensors `inside` (the module's own tensor objects, which `ep.state_dict` holds)."""
     signature = ep.graph_signature
     names = {**signature.inputs_to_parameters, **signature.inputs_to_buffers, **signature.inputs_to_lifted_tensor_constants}
     written = set(signature.buffers_to_mutate.values())
     kept = {id(tensor) for tensor in inside}
-    tagged = 0
     for node in ep.graph.nodes:
         name = names.get(node.name) if node.op == "placeholder" else None
         if name is not None and name not in written and id(ep.state_dict.get(name)) not in kept:
             node.meta.setdefault("custom", {})[TAG_KEY] = tag
-            tagged += 1
-    return tagged
 
 
 def constant_tag(node: torch.fx.Node) -> str | None:

@@ -12,6 +12,7 @@ left as it was.
 from __future__ import annotations
 
 import copy
+import re
 import shutil
 
 import pytest
@@ -103,16 +104,23 @@ def test_adapter_programs_that_do_not_fit_are_refused(exported, tmp_path):
     shutil.copy(result.path, alone)  # no alone.ptd beside it: its weights are not found
     with pytest.raises(ProgramFileError, match="needs their data file"):
         etblocks.Runner(alone)
-    other = tiny_model("llama", seed=7)
-    other_result = etblocks.export(
-        swapped_with(other, {"A": exported[3]["A"]}), backend="xnnpack", out=tmp_path / "other.pte", adapter_mode="programs"
-    )
-    runner.add_adapter("foreign", other_result.adapters["A"])  # same methods and metadata, other weights
+    shorter = etblocks.swap(tiny_model("llama", num_hidden_layers=1), backend="xnnpack", max_seq_len=CONTEXT // 2)
+    other = etblocks.export(shorter, backend="xnnpack", out=tmp_path / "other.pte")
+    with pytest.raises(AdapterMismatchError, match=r"is not an adapter program of .*\['get_max_context_len'"):
+        runner.add_adapter("other", other.path)  # another context: its metadata differ
+    foreign = tmp_path / "model.foreign.pte"  # adapter A's program reading a weight the data file does not hold
+    data = bytearray(result.adapters["A"].read_bytes())
+    key = re.search(rb"[0-9a-f]{64}", data)  # a constant's content key (sha256, hex)
+    data[key.start()] = ord("0") if data[key.start()] != ord("0") else ord("1")
+    foreign.write_bytes(data)
+    runner.add_adapter("foreign", foreign)  # same methods and metadata
     runner.set_adapter("A")
     with pytest.raises(AdapterMismatchError, match="is it an adapter program exported with"):
         runner.set_adapter("foreign")
     assert runner.path == result.adapters["A"] and runner.adapter == "A"  # still runs A
-    assert len(runner.generate(prompt_ids(4)[0].tolist(), max_new_tokens=4)) == 4
+    with peft_with(exported[1], "A") as peft_model:
+        expected = hf_greedy(peft_model, prompt_ids(4), 4)
+    assert runner.generate(prompt_ids(4)[0].tolist(), max_new_tokens=4) == expected
 
 
 class OwnWeights(Backend):
