@@ -268,39 +268,49 @@ def rss() -> dict[str, float]:
         return {"rss": psutil.Process().memory_info().rss / 1e6, "anon": float("nan"), "file": float("nan")}
 
 
+def mark(points: list, label: str) -> None:
+    """Append the resident memory, after a collection, to `points` as `(label, rss())`."""
+    gc.collect()
+    points.append((label, rss()))
+
+
+def time_switches(runner: Any, count: int, times: dict[str, list[float]]) -> None:
+    """`count` calls of `runner.set_adapter`, going on through `CYCLE` from where `times` stops, each call's ms
+    appended to `times[str(name)]`."""
+    done = sum(len(ms) for ms in times.values())
+    for i in range(done, done + count):
+        name = CYCLE[i % len(CYCLE)]
+        start = time.perf_counter()
+        runner.set_adapter(name)
+        times[str(name)].append(1e3 * (time.perf_counter() - start))
+
+
 def probe_slots(spec: dict) -> dict:
     """Child process: one slot program, its adapters added, `switches` switches, a short generate."""
     import etblocks
 
     prompt, points, times = spec["prompt"], [], {str(n): [] for n in CYCLE}
 
-    def mark(label: str) -> None:
-        gc.collect()
-        points.append((label, rss()))
-
-    mark("before loading (runtime + .ptd reader imported)")
+    mark(points, "before loading (runtime + .ptd reader imported)")
     start = time.perf_counter()
     runner = etblocks.Runner(spec["pte"])
     load_ms = 1e3 * (time.perf_counter() - start)
-    mark("Runner(slot program): base loaded once")
+    mark(points, "Runner(slot program): base loaded once")
     add_ms = {}
     for name, file in spec["adapters"].items():
         start = time.perf_counter()
         runner.add_adapter(name, file)
         add_ms[name] = 1e3 * (time.perf_counter() - start)
-        mark(f"+ add_adapter({name!r})")
+        mark(points, f"+ add_adapter({name!r})")
     half = spec["switches"] // 2
-    for i in range(spec["switches"]):
-        name = CYCLE[i % len(CYCLE)]
-        start = time.perf_counter()
-        runner.set_adapter(name)
-        times[str(name)].append(1e3 * (time.perf_counter() - start))
-        if i + 1 == half:
-            mark(f"+ {half} switches A->B->None")
-    mark(f"+ {spec['switches'] - half} more switches ({spec['switches']} in all)")
+    time_switches(runner, half, times)
+    if half:
+        mark(points, f"+ {half} switches A->B->None")
+    time_switches(runner, spec["switches"] - half, times)
+    mark(points, f"+ {spec['switches'] - half} more switches ({spec['switches']} in all)")
     runner.set_adapter("A")
     runner.generate(prompt, max_new_tokens=8, eos=[])
-    mark("+ generate 8 tokens with A")
+    mark(points, "+ generate 8 tokens with A")
     slots = runner.adapter_table.slots
     return {"points": points, "first_load_ms": load_ms, "add_ms": add_ms, "switch_ms": times,
             "slots": len(slots), "slot_ranks": sorted({s.rank for s in slots}),
@@ -314,22 +324,18 @@ def probe_programs(spec: dict) -> dict:
 
     points = []
 
-    def mark(label: str) -> None:
-        gc.collect()
-        points.append((label, rss()))
-
     (first, first_path), (second, second_path) = list(spec["programs"].items())[:2]
-    mark("before loading (runtime + .ptd reader imported)")
+    mark(points, "before loading (runtime + .ptd reader imported)")
     runners, first_load_ms = {}, []
     for name, path in ((first, first_path), (second, second_path)):
         start = time.perf_counter()
         runners[name] = etblocks.Runner(path)
         first_load_ms.append(1e3 * (time.perf_counter() - start))
-        mark(f"+ Runner(merged {name})" + (" (second program)" if name == second else ""))
+        mark(points, f"+ Runner(merged {name})" + (" (second program)" if name == second else ""))
     del runners[first]
-    mark(f"- drop merged {first} (only {second} loaded)")
+    mark(points, f"- drop merged {first} (only {second} loaded)")
     runners[second].generate(spec["prompt"], max_new_tokens=8, eos=[])
-    mark(f"+ generate 8 tokens with merged {second}")
+    mark(points, f"+ generate 8 tokens with merged {second}")
     runners.clear()
     load_ms: dict[str, list[float]] = {"merged": [], "slots": []}
     for _ in range(spec["loads"]):
@@ -349,24 +355,16 @@ def probe_adapter_programs(spec: dict) -> dict:
 
     points, times = [], {str(n): [] for n in CYCLE}
 
-    def mark(label: str) -> None:
-        gc.collect()
-        points.append((label, rss()))
-
-    mark("before loading (runtime + .ptd reader imported)")
+    mark(points, "before loading (runtime + .ptd reader imported)")
     start = time.perf_counter()
     runner = etblocks.Runner(spec["pte"], adapters=spec["adapters"])
     load_ms = 1e3 * (time.perf_counter() - start)
-    mark("Runner(base program, adapter programs added)")
-    for i in range(spec["switches"]):
-        name = CYCLE[i % len(CYCLE)]
-        start = time.perf_counter()
-        runner.set_adapter(name)
-        times[str(name)].append(1e3 * (time.perf_counter() - start))
-    mark(f"+ {spec['switches']} switches A->B->None")
+    mark(points, "Runner(base program, adapter programs added)")
+    time_switches(runner, spec["switches"], times)
+    mark(points, f"+ {spec['switches']} switches A->B->None")
     runner.set_adapter("A")
     runner.generate(spec["prompt"], max_new_tokens=8, eos=[])
-    mark("+ generate 8 tokens with A")
+    mark(points, "+ generate 8 tokens with A")
     return {"points": points, "first_load_ms": load_ms, "switch_ms": times}
 
 

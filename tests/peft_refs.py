@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+from hf_models import hf_greedy
 from peft import LoraConfig, PeftModel, get_peft_model
 
 import etblocks
@@ -56,6 +57,22 @@ def peft_with(reference: PeftModel, name: str | None) -> Iterator[PeftModel]:
     else:
         reference.set_adapter(name)
         yield reference
+
+
+def switch_and_match_peft(runner, reference: PeftModel, name: str | None, prompt: torch.Tensor, atol: float,
+                          new_tokens: int = 32) -> list[int]:
+    """`runner.set_adapter(name)`, then the program's last-token logits are PeftModel's with that adapter within
+    `atol` and its `new_tokens` greedy tokens equal PeftModel's `generate`; returns those tokens."""
+    runner.set_adapter(name)
+    with peft_with(reference, name) as model, torch.no_grad():
+        expected_logits = model(prompt).logits[0, -1]
+        expected = hf_greedy(model, prompt, new_tokens)
+    logits = runner.forward(prompt[0].tolist())
+    assert (logits - expected_logits).abs().max().item() <= atol, name
+    runner.reset()
+    tokens = runner.generate(prompt[0].tolist(), max_new_tokens=new_tokens)
+    assert tokens == expected, name
+    return tokens
 
 
 def swapped_with(base: torch.nn.Module, dirs: dict[str, Path], backend: str = "xnnpack", max_seq_len: int = 64, **swap_options):

@@ -62,8 +62,8 @@ class ExportResult:
     applied (None: none). `adapters` maps each adapter loaded into the model to its file, switched at run time by
     `Runner.set_adapter`: its tensors (`.ptd`) or, with `adapter_mode="programs"`, its program (`.pte`), which reads
     the base weights from `data_path` as the base program does (None: the weights are inside the program), its
-    methods summarized in `adapter_delegations[name]`. `tokenizer`: the directory the tokenizer was saved to beside the program (None: none was given), and
-    `tokenizer_source` where it came from."""
+    methods summarized in `adapter_delegations[name]`. `tokenizer`: the directory the tokenizer was saved to beside
+    the program (None: none was given), and `tokenizer_source` where it came from."""
 
     path: Path
     backend: str

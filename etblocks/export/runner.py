@@ -187,10 +187,9 @@ class Runner:
             )
         program = load_program(path, self.data_path)
         mine, theirs = self.program.method_names, program.method_names
-        differs = [
-            name for name in sorted(mine | theirs)
-            if name not in mine or name not in theirs or (name.startswith("get_") and self._metadata(self.program, name)
-                                                           != self._metadata(program, name))
+        differs = sorted(mine ^ theirs) or [
+            name for name in sorted(mine)
+            if name.startswith("get_") and self._metadata(self.program, name) != self._metadata(program, name)
         ]
         if differs:
             raise AdapterMismatchError(

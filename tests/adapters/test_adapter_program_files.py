@@ -18,7 +18,7 @@ import shutil
 import pytest
 import torch
 from hf_models import hf_greedy, prompt_ids, tiny_model
-from peft_refs import ADAPTERS, make_adapters, peft_reference, peft_with, swapped_with
+from peft_refs import ADAPTERS, make_adapters, peft_reference, peft_with, swapped_with, switch_and_match_peft
 
 import etblocks
 from etblocks.backends import _REGISTRY, Backend, register_backend
@@ -56,16 +56,8 @@ def test_adapter_programs_switch_and_match_peft(exported):
     prompt = prompt_ids(12)
     seen = {}
     for name in ("A", "B", None, "A"):
-        runner.set_adapter(name)
+        seen[name] = switch_and_match_peft(runner, reference, name, prompt, ATOL)
         assert runner.path == result.adapters.get(name, result.path)
-        with peft_with(reference, name) as peft_model, torch.no_grad():
-            expected_logits = peft_model(prompt).logits[0, -1]
-            expected = hf_greedy(peft_model, prompt, 32)
-        logits = runner.forward(prompt[0].tolist())
-        assert (logits - expected_logits).abs().max().item() <= ATOL, name
-        runner.reset()
-        assert runner.generate(prompt[0].tolist(), max_new_tokens=32) == expected, name
-        seen[name] = expected
     assert seen[None] == hf_greedy(base, prompt, 32)
     assert len({tuple(tokens) for tokens in seen.values()}) == 3, "each adapter must change the output"
 

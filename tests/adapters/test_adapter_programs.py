@@ -24,6 +24,7 @@ from peft_refs import (
     peft_reference,
     peft_with,
     swapped_with,
+    switch_and_match_peft,
 )
 from safetensors.torch import load_file
 
@@ -100,16 +101,7 @@ def test_switching_adapters_matches_peft(exported):
     assert base_tokens == hf_greedy(base, prompt, 32)
     seen = {}
     for name in ("A", "B", None, "A"):
-        runner.set_adapter(name)
-        with peft_with(reference, name) as model, torch.no_grad():
-            expected_logits = model(prompt).logits[0, -1]
-            expected = hf_greedy(model, prompt, 32)
-        logits = runner.forward(prompt[0].tolist())
-        assert (logits - expected_logits).abs().max().item() <= ATOL, name
-        runner.reset()
-        tokens = runner.generate(prompt[0].tolist(), max_new_tokens=32)
-        assert tokens == expected, name
-        seen[name] = tokens
+        seen[name] = switch_and_match_peft(runner, reference, name, prompt, ATOL)
     assert seen[None] == base_tokens
     assert len({tuple(tokens) for tokens in seen.values()}) == 3, "each adapter must change the output"
     assert runner.program is program  # switched in place, never reloaded
