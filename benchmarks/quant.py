@@ -379,13 +379,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     llama_cpp_keys = [spec.key for spec in specs if spec.key in LLAMA_CPP_ROWS]
     bench = make_bench(args)
 
-    log(f"training the accuracy model ({args.train_steps} steps)")
-    training = train_model(dataclasses.replace(TRAINED_SHAPE, layers=args.trained_layers), args.train_steps,
-                           args.accuracy_sequences, args.seed)
-    reports = measure_accuracy(training, options, args.accuracy_prefill, bench.out_dir)
-    trained = training.describe()
-    del training
-    gc.collect()
+    reports: dict[str, AccuracyReport | str] = {}
+    trained = "no etblocks option among the rows: no accuracy model trained"
+    if options:  # llama.cpp's rows alone have nothing to measure on the trained model
+        log(f"training the accuracy model ({args.train_steps} steps)")
+        training = train_model(dataclasses.replace(TRAINED_SHAPE, layers=args.trained_layers), args.train_steps,
+                               args.accuracy_sequences, args.seed)
+        reports = measure_accuracy(training, options, args.accuracy_prefill, bench.out_dir)
+        trained = training.describe()
+        del training
+        gc.collect()
 
     log("speed: eager reference tokens, then the exports")
     reference = reference_tokens(bench, options)

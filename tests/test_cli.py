@@ -237,26 +237,11 @@ def test_run_sampling_is_reproducible_with_seed(demo_export, capsys):
 
 
 @pytest.mark.slow
-def test_export_with_max_draft_and_run_with_speculation(demo_hf, tmp_path, capsys):
-    """`--max-draft` gives the program a verify method; `run --speculate prompt_lookup` (flag or YAML key) prints
-    HF generate's greedy tokens and how many proposals the program kept."""
-    pte = tmp_path / "spec.pte"
-    assert main(["export", "--model", "demo", "--out", str(pte), "--max-seq-len", "64", "--max-draft", "3"]) == 0
-    assert "verify" in capsys.readouterr().out
-    prompt = [5, 9, 30, 7, 11, 5, 9, 30, 7, 11, 5, 9]
-    (tmp_path / "run.yaml").write_text(f"pte: {pte}\nspeculate: prompt_lookup\nmax_draft: 3\nmax_new_tokens: 24\n")
-    for args in (["--pte", str(pte), "--speculate", "prompt_lookup", "--max-draft", "3", "--max-new-tokens", "24"],
-                 ["--config", str(tmp_path / "run.yaml")]):
-        assert main(["run", "--prompt-ids", ",".join(map(str, prompt)), *args]) == 0
-        out = capsys.readouterr().out
-        assert ids_line(out, "generated ids") == hf_greedy(demo_hf, prompt, 24)
-        assert re.search(r"speculation: \d+ of [1-9]\d* proposed tokens kept \(\d+%\), \d+\.\d\d tokens per call", out), out
-
-
-@pytest.mark.slow
-def test_export_with_a_draft_model_and_run_with_it(demo_hf, tmp_path, capsys):
-    """`--draft-model` puts a one-layer checkpoint into the .pte as the draft; `run --speculate draft` prints HF
-    generate's greedy tokens. Without `--max-draft` the export stops before loading anything."""
+def test_export_with_speculation_and_run_with_it(demo_hf, tmp_path, capsys):
+    """`--max-draft` gives the program a verify method and `--draft-model` puts a one-layer checkpoint into the .pte
+    as the draft (without `--max-draft` the export stops before loading anything). `run --speculate prompt_lookup`
+    (flag or YAML key) and `run --speculate draft` print HF generate's greedy tokens and how many proposals the
+    program kept."""
     from transformers import LlamaForCausalLM
 
     from etblocks.demo import demo_config
@@ -271,13 +256,23 @@ def test_export_with_a_draft_model_and_run_with_it(demo_hf, tmp_path, capsys):
     assert "draft_model is set without max_draft" in error_line(capsys.readouterr().err)
     assert main(["export", "--model", "demo", "--out", str(pte), "--max-seq-len", "64", "--max-draft", "3",
                  "--draft-model", str(draft_dir)]) == 0
-    assert "draft_forward" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "verify" in out and "draft_forward" in out
+    kept = r"speculation: \d+ of [1-9]\d* proposed tokens kept \(\d+%\), \d+\.\d\d tokens per call"
+    prompt = [5, 9, 30, 7, 11, 5, 9, 30, 7, 11, 5, 9]
+    (tmp_path / "run.yaml").write_text(f"pte: {pte}\nspeculate: prompt_lookup\nmax_draft: 3\nmax_new_tokens: 24\n")
+    for args in (["--pte", str(pte), "--speculate", "prompt_lookup", "--max-draft", "3", "--max-new-tokens", "24"],
+                 ["--config", str(tmp_path / "run.yaml")]):
+        assert main(["run", "--prompt-ids", ",".join(map(str, prompt)), *args]) == 0
+        out = capsys.readouterr().out
+        assert ids_line(out, "generated ids") == hf_greedy(demo_hf, prompt, 24)
+        assert re.search(kept, out), out
     prompt = [5, 9, 30, 7, 11, 2, 40]
     assert main(["run", "--pte", str(pte), "--prompt-ids", ",".join(map(str, prompt)), "--speculate", "draft",
                  "--max-new-tokens", "24"]) == 0
     out = capsys.readouterr().out
     assert ids_line(out, "generated ids") == hf_greedy(demo_hf, prompt, 24)
-    assert re.search(r"speculation: \d+ of [1-9]\d* proposed tokens kept", out), out
+    assert re.search(kept, out), out
 
 
 @pytest.mark.slow

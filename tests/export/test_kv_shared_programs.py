@@ -107,14 +107,19 @@ def test_single_head_static_eager_matches_hf(name):
 
 @pytest.mark.slow
 def test_qnn_programs_are_fully_covered():
-    """16a8w prefill and decode of a source and a reuse layer of each kind (2 query heads over 1 KV head): every op
-    has a QNN builder, value norms, K=V values and Gemma 4's MoE (its router's dense form: no int64 index) included.
+    """16a8w prefill and decode of a sliding and a full source layer and a full layer reusing the latter (2 query
+    heads over 1 KV head): every op has a QNN builder, value norms, K=V values and Gemma 4's MoE (its router's dense
+    form: no int64 index) included. A sliding reuse layer differs from the full one by its mask only, which the
+    sliding source has too (three layers instead of the family's four: the check costs ~0.35 s per graph node).
     Gemma 4 only: Gemma 3n's attention converts by the same layout and converter (`families.py`: `VALUE_NORM`,
     `kv_shared_attention`), and what it adds (AltUp, LAuReL, per-layer inputs) is upstream's own code, which a check
     of its own would add minutes for. Gemma 4 without experts: `benchmarks/backend_matrix.py`."""
     model_type, overrides = KV_SHARED_FAMILIES["gemma4_text_moe"]
-    model = tiny_model(model_type, **{**overrides, **FEW_HEADS})
+    three_layers = dict(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "full_attention"],
+                        num_kv_shared_layers=1)
+    model = tiny_model(model_type, **{**overrides, **FEW_HEADS, **three_layers})
     etblocks.swap(model, backend="qnn", max_seq_len=CONTEXT, chunk=CHUNK)
+    assert [layer.self_attn.reads is not None for layer in model.model.layers] == [False, False, True]
     assert any(isinstance(m, HFRouter) and m.dense for m in model.modules())
     report = check_readiness(model, "qnn")
     text = format_readiness(report)

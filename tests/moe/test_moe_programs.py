@@ -6,7 +6,7 @@ with a chunk below the prompt and dense on the dynamic program, both on static o
 from __future__ import annotations
 
 import pytest
-from hf_models import hf_greedy, prompt_ids, swapped_family
+from hf_models import family_variant, hf_greedy, prompt_ids, swapped_family
 
 import etblocks
 from etblocks.export.programs import dynamic_program
@@ -92,13 +92,20 @@ def test_static_program_matches_hf_generate(name, backend, options, experts, tmp
         assert runner.generate(prompt[0].tolist(), max_new_tokens=NEW_TOKENS) == expected, f"{name} prompt {length}"
 
 
+# One layer holding what each family adds: GPT-OSS's sinks on a sliding layer beside its experts, DeepSeek-V3's MLA
+# beside its routed experts (its leading dense MLP layer is every other family's).
+ONE_MOE_LAYER = {"gpt_oss": dict(num_hidden_layers=1, layer_types=["sliding_attention"]),
+                 "deepseek_v3": dict(num_hidden_layers=1, first_k_dense_replace=0)}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["coreml", "vulkan"])
-@pytest.mark.parametrize("name", ["gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("name", sorted(ONE_MOE_LAYER))
 def test_npu_recipes_lower_the_dense_moe_whole(name, backend, tmp_path):
     """Core ML and Vulkan (lowered here, run only on device) take each method as one partition: routers, dense
     experts, sinks and MLA included. Vulkan leaves only the creation of the -inf scalars on CPU."""
-    _, swapped = swapped_pair(name, backend, chunk=8)
+    _, swapped = swapped_family(name, backend, family_variant(name, **ONE_MOE_LAYER[name]), max_seq_len=CONTEXT, chunk=8)
+    assert any(getattr(m, "sinks", None) is not None for m in swapped.modules()) == (name == "gpt_oss")
     assert strategies(swapped) == {"dense"}
     result = etblocks.export(swapped, backend=backend, out=tmp_path / f"{name}.pte")
     for method, summary in result.delegations.items():
