@@ -44,11 +44,16 @@ class LoRAWeights(nn.Module):
         """The update to the base weight, `[out, in]`."""
         return (self.lora_B @ self.lora_A) * self.scale
 
+    def folded(self) -> LoRAWeights:
+        """The same update with the scale in `lora_B` (new tensors; `lora_A` shared): one multiplication less."""
+        return LoRAWeights(self.lora_A, self.lora_B * self.scale, 1.0)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Two linears: exported with the adapter as constants (an adapter program), a delegate packs them once.
         A cast only where the dtypes differ: a no-op cast would export as a copy, which no longer is a constant."""
         lora_A, lora_B = (w if w.dtype == x.dtype else w.to(x.dtype) for w in (self.lora_A, self.lora_B))
-        return F.linear(F.linear(x, lora_A), lora_B) * self.scale
+        y = F.linear(F.linear(x, lora_A), lora_B)
+        return y if self.scale == 1.0 else y * self.scale
 
     def extra_repr(self) -> str:
         return f"rank={self.rank}, scale={self.scale:g}"

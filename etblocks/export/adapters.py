@@ -17,9 +17,9 @@ at run time) on CPU, so the LoRA matmuls, delegated with everything else, receiv
 
 That is the slots' cost: XNNPACK packs an operand that arrives at run time on every call, where it packs a
 constant once at load. With `adapter_mode="programs"` each adapter is instead a program of its own, exported with
-that adapter active (`adapter_active`): its tensors are constants of that program (`adapter_constants`), every
+that adapter active (`adapter_baked`): its tensors are constants of that program, every
 other weight is read from the base program's data file (`etblocks.export.external`), so the adapter costs two small
-linears per layer and a switch loads the adapter's program.
+linears and an add per adapted layer (its scale folded into `lora_B`) and a switch loads the adapter's program.
 """
 
 from __future__ import annotations
@@ -238,26 +238,27 @@ def check_unmerged(module: nn.Module) -> list[tuple[str, LoRALinear]]:
 
 
 @contextmanager
-def adapter_active(module: nn.Module, name: str | None) -> Iterator[None]:
+def adapter_baked(module: nn.Module, name: str | None) -> Iterator[list[torch.Tensor]]:
     """Every `LoRALinear` of `module` runs adapter `name` (the base where a layer has no such adapter; None: the
-    base everywhere) while the block runs; their choices are restored after."""
+    base everywhere) with its scale folded into `lora_B`, one multiplication less per layer in a program that holds
+    the adapter as constants; yields those constants, what stays inside that program. The layers' adapters and
+    choices are restored after."""
     layers = [layer for _, layer in lora_layers(module)]
     before = [layer.active for layer in layers]
+    unfolded = [(layer, layer.adapters[name]) for layer in layers if name in layer.adapters]
+    constants = []
+    for layer, weights in unfolded:
+        layer.adapters[name] = weights.folded()
+        constants += list(layer.adapters[name].parameters())
     for layer in layers:
         layer.set_adapter(name if name in layer.adapters else None)
     try:
-        yield
+        yield constants
     finally:
+        for layer, weights in unfolded:
+            layer.adapters[name] = weights
         for layer, active in zip(layers, before):
             layer.set_adapter(active)
-
-
-def adapter_constants(module: nn.Module, name: str) -> list[torch.Tensor]:
-    """Adapter `name`'s tensors in `module`: what stays inside its program."""
-    return [
-        tensor for _, layer in lora_layers(module) if name in layer.adapters
-        for tensor in layer.adapters[name].parameters()
-    ]
 
 
 def adapter_table(

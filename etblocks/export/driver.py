@@ -20,8 +20,7 @@ from etblocks.export.adapters import (
     ADAPTER_SLOTS,
     ADAPTERS_METHOD,
     SET_ADAPTER_METHOD,
-    adapter_active,
-    adapter_constants,
+    adapter_baked,
     adapter_file,
     adapter_program_file,
     adapter_slots,
@@ -260,7 +259,7 @@ def _export_adapter_programs(model: nn.Module, plan: ExportPlan, partitioners: l
     every other constant from the same weights file."""
     check_unmerged(model)
     plan.say("the base program, its weights in a file of their own")
-    with adapter_active(model, None):
+    with adapter_baked(model, None):
         base = _lower(model, plan, partitioners, weights_tag=WEIGHTS_TAG)
     start = time.perf_counter()
     path = write_whole(out, base.executorch_program.buffer)
@@ -270,8 +269,8 @@ def _export_adapter_programs(model: nn.Module, plan: ExportPlan, partitioners: l
     adapters, delegations = {}, {}
     for name in adapter_names(model):
         plan.say(f"the program of adapter {name!r}, reading the base's weights from {data_path.name}")
-        with adapter_active(model, name):
-            lowered = _lower(model, plan, partitioners, weights_tag=WEIGHTS_TAG, inside=adapter_constants(model, name))
+        with adapter_baked(model, name) as constants:
+            lowered = _lower(model, plan, partitioners, weights_tag=WEIGHTS_TAG, inside=constants)
         adapters[name] = write_whole(adapter_program_file(path, name), lowered.executorch_program.buffer)
         delegations[name] = lowered.delegations
         for step, seconds in lowered.seconds.items():
