@@ -380,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench = make_bench(args)
 
     reports: dict[str, AccuracyReport | str] = {}
-    trained = "no etblocks option among the rows: no accuracy model trained"
+    trained = None
     if options:  # llama.cpp's rows alone have nothing to measure on the trained model
         log(f"training the accuracy model ({args.train_steps} steps)")
         training = train_model(dataclasses.replace(TRAINED_SHAPE, layers=args.trained_layers), args.train_steps,
@@ -425,7 +425,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     target = format_targets(rows, bandwidths, row_bytes)
     accuracy_title = (f"accuracy on the trained model, next-token distributions against fp32 over "
                       f"{args.accuracy_sequences} held-out sequences of {TRAINED_SHAPE.max_seq_len} tokens (prefill "
-                      f"{args.accuracy_prefill}, then one token per call)\n{trained}")
+                      f"{args.accuracy_prefill}, then one token per call)\n{trained}" if trained is not None else
+                      "accuracy: no etblocks option among the rows, so no accuracy model trained")
     accuracy = format_accuracy(options, reports)
     print(header)
     print(speed)

@@ -246,13 +246,13 @@ def adapter_baked(module: nn.Module, name: str | None) -> Iterator[list[torch.Te
     layers = [layer for _, layer in lora_layers(module)]
     before = [layer.active for layer in layers]
     unfolded = [(layer, layer.adapters[name]) for layer in layers if name in layer.adapters]
-    constants = []
-    for layer, weights in unfolded:
-        layer.adapters[name] = weights.folded()
-        constants += list(layer.adapters[name].parameters())
-    for layer in layers:
-        layer.set_adapter(name if name in layer.adapters else None)
     try:
+        constants = []
+        for layer, weights in unfolded:
+            layer.adapters[name] = weights.folded()
+            constants += list(layer.adapters[name].parameters())
+        for layer in layers:
+            layer.set_adapter(name if name in layer.adapters else None)
         yield constants
     finally:
         for layer, weights in unfolded:
