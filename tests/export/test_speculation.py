@@ -41,7 +41,7 @@ def programs(tmp_path_factory):
 def drafts(tmp_path_factory):
     """Draft programs for the llama target, by name: `smaller` (one layer, other weights; dynamic, exported with
     max_draft), `smaller_static` (the same as a static portable program with caller-owned state). The draft with the
-    target's own weights is the target's program (`draft_path`)."""
+    target's own weights ("same") is the target's program itself, loaded a second time."""
     out = tmp_path_factory.mktemp("drafts")
     paths = {}
     for name, seed, layers, options in [("smaller", 7, 1, {}), ("smaller_static", 7, 1, dict(shapes="static", chunk=8))]:
