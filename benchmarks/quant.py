@@ -380,13 +380,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench = make_bench(args)
 
     reports: dict[str, AccuracyReport | str] = {}
-    trained = None
+    accuracy_title = "accuracy: no etblocks option among the rows, so no accuracy model trained"
     if options:  # llama.cpp's rows alone have nothing to measure on the trained model
         log(f"training the accuracy model ({args.train_steps} steps)")
         training = train_model(dataclasses.replace(TRAINED_SHAPE, layers=args.trained_layers), args.train_steps,
                                args.accuracy_sequences, args.seed)
         reports = measure_accuracy(training, options, args.accuracy_prefill, bench.out_dir)
-        trained = training.describe()
+        accuracy_title = (f"accuracy on the trained model, next-token distributions against fp32 over "
+                          f"{args.accuracy_sequences} held-out sequences of {TRAINED_SHAPE.max_seq_len} tokens "
+                          f"(prefill {args.accuracy_prefill}, then one token per call)\n{training.describe()}")
         del training
         gc.collect()
 
@@ -423,10 +425,6 @@ def main(argv: Sequence[str] | None = None) -> int:
              "Q4_0 reported only")
     notes += "".join(f"\n  ({r.key}) {r.note}" for r in rows if r.note and r.status == "ok")
     target = format_targets(rows, bandwidths, row_bytes)
-    accuracy_title = (f"accuracy on the trained model, next-token distributions against fp32 over "
-                      f"{args.accuracy_sequences} held-out sequences of {TRAINED_SHAPE.max_seq_len} tokens (prefill "
-                      f"{args.accuracy_prefill}, then one token per call)\n{trained}" if trained is not None else
-                      "accuracy: no etblocks option among the rows, so no accuracy model trained")
     accuracy = format_accuracy(options, reports)
     print(header)
     print(speed)

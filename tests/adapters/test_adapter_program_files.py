@@ -74,12 +74,13 @@ def test_programs_hold_no_base_weight_and_the_adapter_as_constant_linears(export
     weight_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
     assert result.data_path.stat().st_size >= weight_bytes  # every base weight (tied embedding once) is in model.ptd
     assert result.path.stat().st_size < weight_bytes / 4
+    tensors = {name: read_peft_tensors(dirs[name]) for name in dirs}
     for name, program in result.adapters.items():
-        adapter = sum(t.numel() * t.element_size() for t in read_peft_tensors(dirs[name]).values())
+        adapter = sum(t.numel() * t.element_size() for t in tensors[name].values())
         assert adapter <= program.stat().st_size - result.path.stat().st_size < adapter + weight_bytes / 4, name
     base = result.delegation
     assert set(result.adapter_delegations) == set(ADAPTERS)
-    adapted = {name: adapted_layers(dirs[name]) for name in dirs}
+    adapted = {name: sum(".lora_A." in key for key in tensors[name]) for name in dirs}  # one lora_A per adapted linear
     for name, delegations in result.adapter_delegations.items():  # the LoRA path delegated whole, as linears
         summary = DelegationSummary.combine(delegations.values())
         assert summary.cpu_ops == base.cpu_ops and len(summary.partitions) == len(base.partitions), name
@@ -93,10 +94,6 @@ def read_peft_tensors(directory) -> dict[str, torch.Tensor]:
 
     return load_file(directory / "adapter_model.safetensors")
 
-
-def adapted_layers(directory) -> int:
-    """How many linears the PEFT adapter saved in `directory` adapts (one `lora_A` each)."""
-    return sum(".lora_A." in key for key in read_peft_tensors(directory))
 
 
 @pytest.mark.slow
