@@ -64,8 +64,8 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     time_in_fresh_process,
 )
 
-EIGHT_DA4W = Option("e", "8da4w", quantize="8da4w")  # quant.py's rows (a) and (e): their bytes per step
-FP32 = Option("a", "fp32")
+EIGHT_DA4W = Option("e", "8da4w", quantize="8da4w")  # quant.py's row (e)
+FP32 = Option("a", "fp32")  # quant.py's row (a)
 
 
 @dataclass(frozen=True)
