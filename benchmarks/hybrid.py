@@ -28,7 +28,7 @@ same entry replaces the quantization settings it measures).
     python benchmarks/hybrid.py --family lfm2                       # 16 layers, fp32 and 8da4w
     python benchmarks/hybrid.py --family qwen3_5 --quantize none    # 24 layers, fp32
     python benchmarks/hybrid.py --family gemma4 --layers 20 --rows a,b --quantize none   # etblocks vs the example
-    python benchmarks/hybrid.py --smoke                             # tiny qwen3_5, 2 layers, rows a and f, fp32
+    python benchmarks/hybrid.py --smoke                             # tiny qwen3_5, 2 layers, rows f and g, fp32
 """
 
 from __future__ import annotations
@@ -1067,7 +1067,7 @@ def row_record(outcome: Outcome, key: str) -> dict:
 # Main
 
 
-SMOKE = {"family": "qwen3_5", "shape": "tiny", "layers": 2, "rows": "a,f", "quantize": "none", "rounds": 1,
+SMOKE = {"family": "qwen3_5", "shape": "tiny", "layers": 2, "rows": "f,g", "quantize": "none", "rounds": 1,
          "prompts": "8", "decode_steps": 4, "max_seq_len": 32}
 
 

@@ -34,6 +34,8 @@ SCRIPTS = {
     "decode_profile --rows b,c": "c",
     "step_breakdown": "c",
     "lora": "a",
+    # Qwen3.5 (a DeltaNet and an attention layer): the chunked delta rule's program against the eager model's row
+    # (etblocks' default program is in the Granite 4.0-H smoke below)
     "hybrid": "f",
     "speculate": "b",
     # fp32 and int8 KV caches, etblocks and ExecuTorch's llama example, at contexts 16 and 32: (b), an int8-KV row
