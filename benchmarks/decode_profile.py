@@ -85,7 +85,7 @@ ROWS = {"a": ProfiledRow(EIGHT_DA4W, "etblocks", "a_etblocks_8da4w.pte"),
 CPU_EVENT_PREFIXES = ("native_call_", "llama::", "quantized_decomposed::")
 RUNTIME_EVENTS = {"Method::execute", "DELEGATE_CALL", "OPERATOR_CALL"}
 LINEAR_EVENT_PREFIX = "Fully Connected"  # XNNPACK's name for its linear operators (fp32 and quantized alike)
-PHASES = ("prefill", "decode")
+PHASES = {"prefill": "prefills", "decode": "decode steps"}  # what a profiled call is, by phase
 
 
 def path_etblocks(bench: Bench, row: Row) -> Driver:
@@ -247,8 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         names = {row.key: row.name for row in rows}
         work = prefill_gflops(bench)
         titles = {phase: (f"ETDump of {args.profile_steps} {calls} (after as many untimed), mean ms per call (share "
-                          f"of the Python call); {len(bench.prompt)}-token prompt")
-                  for phase, calls in zip(PHASES, ("prefills", "decode steps"))}
+                          f"of the Python call); {len(bench.prompt)}-token prompt") for phase, calls in PHASES.items()}
         roofline_ms = {key: step_bytes[key] / bandwidth * 1e3 for key in profiles}
         last_lines = {
             "prefill": [f"linears' GFLOP/s ({work:.2f} GFLOP a call)",

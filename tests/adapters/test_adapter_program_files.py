@@ -95,7 +95,6 @@ def read_peft_tensors(directory) -> dict[str, torch.Tensor]:
     return load_file(directory / "adapter_model.safetensors")
 
 
-
 @pytest.mark.slow
 def test_adapter_programs_that_do_not_fit_are_refused(exported, tmp_path):
     _, _, result, _, _ = exported
