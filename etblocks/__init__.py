@@ -30,6 +30,7 @@ _LAZY = {
     "set_adapter": "etblocks.adapters.load",
     "register_backend": "etblocks.backends",
     "quiet": "etblocks.noise",
+    "load_gguf": "etblocks.gguf",
 }
 
 __all__ = [

@@ -19,6 +19,7 @@ import argparse
 import sys
 import time
 import warnings
+from collections import Counter
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -32,7 +33,8 @@ from etblocks.threads import prefer_single_threaded_blas
 
 EXIT_ERROR = 2
 DEMO = "demo"
-CHECKPOINT_NEEDED = "give 'demo' or a local Hugging Face checkpoint directory containing config.json and *.safetensors weights"
+CHECKPOINT_NEEDED = ("give 'demo', a local Hugging Face checkpoint directory containing config.json and *.safetensors "
+                     "weights, or a .gguf file")
 
 
 # ----------------------------------------------------------------------------------------------- parser
@@ -73,6 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_options(chat, "chat")
     chat.set_defaults(handler=cmd_chat)
+
+    evaluate = commands.add_parser(
+        "eval",
+        help="score a text file with an exported .pte: perplexity",
+        description="The perplexity of a .pte on a text file (encoded with the tokenizer beside the .pte, or "
+        "--tokenizer), scored in windows of --window tokens, each a new sequence: every token but a window's first "
+        "is scored given the tokens before it. Prints perplexity, tokens scored and time.",
+    )
+    _add_options(evaluate, "eval")
+    evaluate.set_defaults(handler=cmd_eval)
 
     backends = commands.add_parser(
         "backends",
@@ -126,7 +138,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     say = _progress()
     model_name = options["model"]
     if model_name is None:
-        raise ConfigError(f"model is not set; give --model {DEMO} or --model PATH (a local HF checkpoint directory), or `model:` in a config file")
+        raise ConfigError(f"model is not set; give --model {DEMO} or --model PATH (a local HF checkpoint directory or a .gguf "
+                          "file), or `model:` in a config file")
     if model_name != DEMO:
         _checkpoint_dir(model_name)  # before the backend checks, which import torch
     if options["draft_model"] is not None:
@@ -149,7 +162,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"NOTE: {DEMO_DESCRIPTION}", flush=True)
     else:
         say(f"loading {model_name}")
-        model = load_checkpoint(model_name, dtype=dtype)
+        model, file_tokenizer = load_model(model_name, dtype=dtype)
+        tokenizer = file_tokenizer if tokenizer is None else tokenizer
 
     max_seq_len = options["max_seq_len"]
     verify = options["verify"]
@@ -178,7 +192,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     draft = None
     if options["draft_model"] is not None:
         say(f"loading the draft model {options['draft_model']} and swapping it for {backend}")
-        draft = load_checkpoint(options["draft_model"], dtype=dtype)
+        draft, _ = load_model(options["draft_model"], dtype=dtype)
         etblocks.swap(draft, backend=backend, max_seq_len=info.max_seq_len, verify=verify, **overrides)
     result = etblocks.export(
         model, backend=backend, out=out, max_seq_len=info.max_seq_len, bos_id=options["bos_id"],
@@ -259,6 +273,16 @@ def _check_quantization(options: Resolved, backend: str) -> None:
         raise ConfigError(f"{', '.join(options.where(key) for key in keys) or options.where('backend')}: {exc}") from None
 
 
+def load_model(path: str | Path, dtype=None) -> tuple[Any, Any]:
+    """`(model, tokenizer)` of a GGUF file (`etblocks.load_gguf`, the file's tokenizer), else of a checkpoint
+    directory (`load_checkpoint`; None: `export` finds the checkpoint's tokenizer itself)."""
+    from etblocks.gguf import is_gguf, load_gguf
+
+    if is_gguf(path):
+        return load_gguf(path, dtype=dtype)
+    return load_checkpoint(path, dtype=dtype), None
+
+
 def load_checkpoint(path: str | Path, dtype=None):
     """`AutoModelForCausalLM.from_pretrained(path, local_files_only=True)` for a local checkpoint directory;
     `ConfigError` naming the path and what it must contain otherwise."""
@@ -279,12 +303,16 @@ def load_checkpoint(path: str | Path, dtype=None):
 
 
 def _checkpoint_dir(path: str | Path) -> Path:
-    """`path`, checked to be a directory `load_checkpoint` can load (without importing transformers)."""
+    """`path`, checked to be a GGUF file or a directory `load_checkpoint` can load (without importing transformers)."""
+    from etblocks.gguf import is_gguf
+
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"model={str(path)!r} does not exist; {CHECKPOINT_NEEDED}")
+    if is_gguf(path):
+        return path
     if not path.is_dir():
-        raise ConfigError(f"model={str(path)!r} is a file, not a directory; {CHECKPOINT_NEEDED}")
+        raise ConfigError(f"model={str(path)!r} is a file but not a GGUF file, nor a directory; {CHECKPOINT_NEEDED}")
     missing = [
         what
         for what, present in (("config.json", (path / "config.json").is_file()), ("*.safetensors", any(path.glob("*.safetensors"))))
@@ -317,6 +345,9 @@ def _export_summary(result, model_name: str, seconds: dict[str, float]) -> str:
         f"next: etblocks run --pte {result.path} "
         + ("--prompt 'Once upon a time'" if result.tokenizer else "--prompt-ids 1,2,3") + " --max-new-tokens 16",
     ]
+    if result.quantized:
+        held = Counter(result.quantized.values())
+        lines.insert(-1, "  modules     " + ", ".join(f"{count} {how}" for how, count in held.items()))
     if result.tokenizer:
         lines.insert(-1, f"  tokenizer   {result.tokenizer} (from {result.tokenizer_source})")
     if result.data_path:
@@ -371,6 +402,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    prefer_single_threaded_blas()
+    options = _options("eval", args)
+    if options["text"] is None:
+        raise ConfigError("no text; give --text FILE (the text to score)")
+    try:
+        text = Path(options["text"]).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"text={str(options['text'])!r} ({options.where('text')}) cannot be read as UTF-8 text: {exc}") from None
+    runner = _generating_runner(options, _progress())
+    start = time.perf_counter()
+    result = runner.perplexity(text, window=options["window"])
+    elapsed = time.perf_counter() - start
+    print(f"{result}; {elapsed:.2f} s ({result.tokens / max(elapsed, 1e-9):.1f} tokens/s scored)", flush=True)
+    return 0
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     """An interactive conversation: each line typed is a user turn; the reply streams as it is generated. The
     program's state is kept between turns, so a turn prefills only its own tokens. Ends at EOF (Ctrl-D) or /exit;
@@ -411,7 +459,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def _generating_runner(options: Resolved, say: Callable[[str], None]):
-    """The runner of `run` and `chat`: the program, its tokenizer (--tokenizer or the one beside it) and adapter."""
+    """The runner of `run`, `chat` and `eval`: the program, its tokenizer (--tokenizer or the one beside it) and adapter."""
     if options["pte"] is None:
         raise ConfigError("pte is not set; give --pte model.pte (or `pte:` in a config file)")
     say(f"loading {options['pte']}")

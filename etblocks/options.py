@@ -15,7 +15,8 @@ from typing import Any, Callable
 
 from etblocks.errors import ConfigError
 
-WEIGHT_SCHEMES = ("8da4w", "8da8w")  # torchao weight quantization etblocks applies (`etblocks.export.weights`)
+WEIGHT_RECIPES = ("4bit", "8bit")  # the weight quantization that keeps a real model (`etblocks.export.weights`)
+WEIGHT_SCHEMES = (*WEIGHT_RECIPES, "8da4w", "8da8w")  # and torchao's schemes as ExecuTorch's LLM export applies them
 EMBEDDING_SCHEMES = ("int8",)
 DEFAULT_GROUP_SIZE = 32
 
@@ -212,8 +213,9 @@ def choice(name: str, commands: tuple[str, ...], choices: tuple[str, ...], help:
 
 ADAPTER_MODES = ("slots", "programs")  # `etblocks.export.adapters` says what each is
 
-EXPORT, RUN, CHAT = ("export",), ("run",), ("chat",)
+EXPORT, RUN, CHAT, EVAL = ("export",), ("run",), ("chat",), ("eval",)
 GENERATE = RUN + CHAT  # options of every command that generates
+PROGRAM = GENERATE + EVAL  # options of every command that runs a program
 
 # The swap recipe's choices (`etblocks.swap.recipes.Recipe` documents what each means).
 RECIPE_OPTIONS = (
@@ -254,10 +256,12 @@ OPTIONS_LIST = (
            metavar="ID"),
     Option("eos_ids", EXPORT + GENERATE, token_ids, "token ids that end generation (export: stored in the program, default the "
            "model config's; run: instead of the program's)", metavar="IDS"),
-    choice("quantize_weights", EXPORT, WEIGHT_SCHEMES, "torchao weight quantization: 8da4w (int8 dynamic "
-           "activations, int4 weights with a scale per --group-size inputs) or 8da8w (int8 weights, a scale per output "
-           "channel), for a backend whose kernels run it (xnnpack)", none=True),
-    Option("group_size", EXPORT, int_at_least(1), "8da4w: inputs per int4 weight scale, a multiple of 32 dividing every "
+    choice("quantize_weights", EXPORT, WEIGHT_SCHEMES, "weight quantization, for a backend whose kernels run it "
+           "(xnnpack): 4bit (the default 4-bit recipe: asymmetric int4 groups, kept as they are in a GGUF file, an int8 "
+           "output layer and embedding), 8bit (int8 weights, int4 groups of a GGUF file kept), or torchao's 8da4w (int8 "
+           "dynamic activations, symmetric int4 weights with a scale per --group-size inputs) and 8da8w (int8 weights, "
+           "a scale per output channel)", none=True),
+    Option("group_size", EXPORT, int_at_least(1), "4bit, 8bit, 8da4w: inputs per int4 weight scale, a multiple of 32 dividing every "
            "linear's input size", default=DEFAULT_GROUP_SIZE, kind=int, metavar="N"),
     choice("quantize_embedding", EXPORT, EMBEDDING_SCHEMES, "the token embedding as int8 rows with a "
            "scale per row", none=True),
@@ -275,24 +279,27 @@ OPTIONS_LIST = (
            choices=ADAPTER_MODES, metavar="MODE"),
     Option("check", EXPORT, boolean, "print the backend's readiness report of the program instead of lowering (qnn: every "
            "op against ExecuTorch's QNN op builders, no Qualcomm SDK needed); exit code 1 if not ready", kind="switch"),
-    Option("pte", GENERATE, path, "the .pte to run (default: the config's pte, else its out)"),
-    Option("data_path", GENERATE, path, "a .ptd file holding the program's weights, if they were written apart", metavar="PTD"),
+    Option("pte", PROGRAM, path, "the .pte to run (default: the config's pte, else its out)"),
+    Option("data_path", PROGRAM, path, "a .ptd file holding the program's weights, if they were written apart", metavar="PTD"),
     Option("prompt_ids", RUN, token_ids, "comma-separated prompt token ids, e.g. 1,2,3", metavar="IDS"),
     Option("prompt", RUN, text, "prompt text, encoded with the program's tokenizer (the one saved beside the .pte, "
            "or --tokenizer)", metavar="TEXT"),
+    Option("text", EVAL, path, "the text file to score (encoded with the program's tokenizer)", metavar="FILE"),
+    Option("window", EVAL, int_at_least(2), "tokens per scored window, each a new sequence (default: the program's "
+           "context)", kind=int, metavar="N"),
     Option("system", CHAT, text, "a system message that starts the conversation", metavar="TEXT"),
-    Option("tokenizer", EXPORT + GENERATE, path, "export: the tokenizer saved beside the .pte as <stem>.tokenizer/ (a "
-           "directory or tokenizer.json; default: the checkpoint's own); run, chat: instead of the one beside the .pte",
+    Option("tokenizer", EXPORT + PROGRAM, path, "export: the tokenizer saved beside the .pte as <stem>.tokenizer/ (a "
+           "directory or tokenizer.json; default: the checkpoint's own); run, chat, eval: instead of the one beside the .pte",
            metavar="PATH"),
     Option("max_new_tokens", GENERATE, int_at_least(1), "tokens to generate at most (per turn in chat)", default=32,
            kind=int, metavar="N"),
     Option("temperature", GENERATE, temperature, "0 is greedy", default=0.0, kind=float, metavar="T"),
     Option("top_p", GENERATE, top_p, "nucleus sampling mass in (0, 1]", default=1.0, kind=float, metavar="P"),
     Option("seed", GENERATE, int_at_least(0), "random seed for sampling", kind=int, metavar="S"),
-    Option("adapter", GENERATE, adapter_choice, "run with this LoRA adapter: NAME (exported next to the .pte) or NAME=FILE "
+    Option("adapter", PROGRAM, adapter_choice, "run with this LoRA adapter: NAME (exported next to the .pte) or NAME=FILE "
            "(an adapter file, .ptd, or an adapter program, .pte)",
            metavar="NAME"),
-    Option("adapter_scale", GENERATE, number, "multiply the adapter's update by S (default: 1)", kind=float, metavar="S"),
+    Option("adapter_scale", PROGRAM, number, "multiply the adapter's update by S (default: 1)", kind=float, metavar="S"),
     choice("speculate", GENERATE, ("prompt_lookup", "draft"), "speculative decoding: propose tokens and check them in "
            "one call (same tokens at temperature 0, same distribution when sampling); prompt_lookup: the tokens that "
            "followed the latest earlier occurrence of the text's end; draft: generated by the draft model exported into "
@@ -303,7 +310,7 @@ OPTIONS_LIST = (
     Option("max_draft", EXPORT + GENERATE, int_at_least(1), "speculative decoding: export: a dynamic program also gets a "
            "verify method that checks up to N proposed tokens per call; run, chat: propose up to N per call with "
            "--speculate (default: 4)", kind=int, metavar="N"),
-    Option("decode_tail", GENERATE, int_at_least(1), "static programs: a prompt remainder of at most this many tokens goes "
+    Option("decode_tail", PROGRAM, int_at_least(1), "static programs: a prompt remainder of at most this many tokens goes "
            "through decode instead of a padded prefill (default: chunk // 8)", kind=int, metavar="N"),
 )
 

@@ -590,7 +590,7 @@ def test_quantization_option_errors_exit_2_before_loading(tmp_path, capsys):
         (["--quantize-weights", "8da4w", "--group-size", "48"],
          "--quantize-weights, --group-size: group_size=48 is not accepted; give a positive multiple of 32"),
         (["--quantize-embedding", "int4"], "--quantize-embedding: quantize_embedding='int4' (str) is not accepted; choose one of ['int8', 'none']"),
-        (["--quantize-weights", "int4"], "--quantize-weights: quantize_weights='int4' (str) is not accepted; choose one of ['8da4w', '8da8w', 'none']"),
+        (["--quantize-weights", "int4"], "--quantize-weights: quantize_weights='int4' (str) is not accepted; choose one of ['4bit', '8bit', '8da4w', '8da8w', 'none']"),
         (["--kv-quantize", "fp8"], "--kv-quantize: kv_quantize='fp8' (str) is not accepted; choose one of ['int8', 'none']"),
         (["--qnn-chipset", "SM8750"], "--qnn-chipset: qnn_chipset is an option of another backend, not of 'xnnpack'"),
         (["--check"], "--check: check is the readiness report of a backend that offers one (['qnn']), not backend='xnnpack'"),
@@ -608,7 +608,7 @@ def test_export_help_lists_both_quantization_families(capsys):
     with pytest.raises(SystemExit):
         main(["export", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    for words in ("--quantize-activations SCHEME", "(qnn: 16a8w, 16a4w, 8a8w)", "--quantize-weights {8da4w,8da8w}",
-                  "8da4w (int8 dynamic activations, int4 weights", "8da8w (int8 weights", "--group-size N",
+    for words in ("--quantize-activations SCHEME", "(qnn: 16a8w, 16a4w, 8a8w)", "--quantize-weights {4bit,8bit,8da4w,8da8w}",
+                  "4bit (the default 4-bit recipe", "8da4w (int8 dynamic activations, symmetric int4 weights", "8da8w (int8 weights", "--group-size N",
                   "--quantize-embedding {int8}", "--kv-quantize {int8}", "--qnn-chipset SOC", "default: SM8650"):
         assert words in text, words

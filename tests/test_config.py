@@ -138,7 +138,7 @@ def test_non_string_key_is_unknown():
         ("model: ''\n", r"model='' \(str\) is not accepted; give a non-empty string"),
         ("model: 3\n", r"model=3 \(int\)"),
         ("out: [a.pte]\n", r"out=\['a.pte'\] \(list\) is not accepted; give a path"),
-        ("quantize_weights: int4\n", r"quantize_weights='int4' \(str\) is not accepted; choose one of \['8da4w', '8da8w', 'none'\]"),
+        ("quantize_weights: int4\n", r"quantize_weights='int4' \(str\) is not accepted; choose one of \['4bit', '8bit', '8da4w', '8da8w', 'none'\]"),
         ("quantize_activations: 8\n", r"quantize_activations=8 \(int\) is not accepted; give a scheme"),
         ("qnn_chipset: SM0000\n", r"qnn_chipset='SM0000' \(str\) is not accepted; choose one of ExecuTorch's QcomChipset names \[.*'SM8650'"),
         ("dtype: int8\n", r"dtype='int8' \(str\) is not accepted; give a floating dtype"),

@@ -45,6 +45,23 @@ class AccuracyReport:
     max_kl: float
 
 
+@dataclass(frozen=True)
+class Perplexity:
+    """`value`: exp of the mean negative log-probability of `tokens` scored tokens (`Runner.perplexity`)."""
+
+    value: float
+    tokens: int
+    mean_nll: float  # nats per token
+
+    @classmethod
+    def of(cls, log_probs: torch.Tensor) -> Perplexity:
+        nll = -float(log_probs.double().mean())
+        return cls(float(torch.tensor(nll, dtype=torch.float64).exp()), int(log_probs.numel()), nll)
+
+    def __str__(self) -> str:
+        return f"perplexity {self.value:.4f} over {self.tokens} tokens ({self.mean_nll:.4f} nats per token)"
+
+
 class EagerModel:
     """A PyTorch causal LM (transformers: `.logits` of its output; torchtune: the output itself) as a
     `LogitsModel` without any KV cache: every call runs the whole sequence so far, the plainest reference."""

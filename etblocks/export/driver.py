@@ -30,7 +30,7 @@ from etblocks.export.adapters import (
     set_adapter_program,
 )
 from etblocks.export.delegation import DelegationSummary, summarize
-from etblocks.export.external import WEIGHTS_TAG, constant_tag, tag_constants, weights_file, write_weights
+from etblocks.export.external import WEIGHTS_TAG, constant_tag, tagging_pass, weights_file, write_weights
 from etblocks.export.hybrid import attention_on_cpu
 from etblocks.export.programs import (
     DynamicProgram,
@@ -43,7 +43,7 @@ from etblocks.export.programs import (
 from etblocks.export.quantize import quantize_static
 from etblocks.export.speculate import DRAFT_PREFIX, MAX_VERIFY_METHOD, VERIFY_METHOD
 from etblocks.export.text import checkpoint_tokenizer, load_tokenizer, save_tokenizer
-from etblocks.export.weights import WeightQuantization, quantized_weights, weight_quantization
+from etblocks.export.weights import KEPT, WeightQuantization, quantized_weights, weight_quantization
 from etblocks.export.wrappers import DraftProgram
 from etblocks.ops import load_llama_custom_ops
 from etblocks.options import DEFAULT_GROUP_SIZE, OPTIONS, check
@@ -62,7 +62,9 @@ class ExportResult:
     `Runner.set_adapter`: its tensors (`.ptd`) or, with `adapter_mode="programs"`, its program (`.pte`), which reads
     the base weights from `data_path` as the base program does (None: the weights are inside the program), its
     methods summarized in `adapter_delegations[name]`. `tokenizer`: the directory the tokenizer was saved to beside
-    the program (None: none was given), and `tokenizer_source` where it came from."""
+    the program (None: none was given), and `tokenizer_source` where it came from. `quantized`: what each quantized
+    module holds, by name (`"int4 groups, kept"`: a weight that was on int4 groups already, as a GGUF file's, and
+    keeps its values)."""
 
     path: Path
     backend: str
@@ -76,6 +78,7 @@ class ExportResult:
     tokenizer_source: str | None = None
     data_path: Path | None = None
     adapter_delegations: dict[str, dict[str, DelegationSummary]] = field(default_factory=dict)
+    quantized: dict[str, str] = field(default_factory=dict)
 
     @property
     def delegation(self) -> DelegationSummary:
@@ -105,6 +108,7 @@ class ExportPlan:
     draft: nn.Module | None = field(default=None, repr=False)  # a draft model whose methods go in the same file
     adapter_mode: str = ADAPTER_SLOTS  # how LoRA adapters ship (`etblocks.export.adapters`)
     say: Progress = field(default=lambda message: None, repr=False)
+    quantized: dict[str, str] = field(default_factory=dict, repr=False)  # filled by the export: what each module holds
 
     @property
     def applied(self) -> str | None:
@@ -132,6 +136,7 @@ def export(
     max_draft: int | None = None,
     draft: nn.Module | None = None,
     adapter_mode: str = ADAPTER_SLOTS,
+    external_weights: bool | None = None,
 ) -> ExportResult:
     """Export, lower and save.
 
@@ -173,6 +178,12 @@ def export(
     `forward` and `verify` go in the same file as `draft_forward` and `draft_verify` (its weights and state apart
     from the target's, quantized the same way), for `Runner.generate(..., speculate="draft")`.
 
+    `external_weights`: the program's weights in `<stem>.ptd` beside it (`ExportResult.data_path`), where
+    `Runner` finds them, for a backend whose programs read them from one. There a tied embedding and output layer
+    (one tensor, looked up on CPU and multiplied by the delegate) are stored once, where a `.pte` alone holds
+    them twice. None (default): apart when the model's embedding and output layer are tied and the program is a
+    dynamic one without LoRA slots; False: inside the `.pte`.
+
     `progress`: each step (exporting, calibrating, lowering, serializing) is logged on the "etblocks" logger and,
     with the default None, shown on stderr with the elapsed time when it is a terminal and `logging` is not
     configured (a terminal's line counts the running step's seconds inside `etblocks.quiet()`); True shows them on
@@ -197,15 +208,48 @@ def export(
     slotted = has_adapters and not (info is not None and info.recipe.static)  # slots as buffers
     if slotted:
         partitioners = [keep_slots_on_cpu(p) for p in partitioners]
-    lowered = _lower(model, plan, partitioners, share_mutable_buffers=slotted)
+    apart = _weights_apart(model, plan, external_weights, static=info is not None and info.recipe.static, slotted=slotted)
+    lowered = _lower(model, plan, partitioners, share_mutable_buffers=slotted, weights_tag=WEIGHTS_TAG if apart else None)
     start = time.perf_counter()
     path = write_whole(out, lowered.executorch_program.buffer)
+    data_path = write_weights(lowered.executorch_program, weights_file(path)) if apart else None
     adapters = {}
     if has_adapters:
         for name in adapter_names(model):
             adapters[name] = save_adapter_file(adapter_tensors(model, name), adapter_file(path, name))
     lowered.seconds["serialize"] += time.perf_counter() - start
-    return _result(lowered, path, plan, text_tokenizer, adapters)
+    result = _result(lowered, path, plan, text_tokenizer, adapters)
+    if data_path is not None:
+        result.data_path = data_path
+        plan.say(f"wrote the weights to {data_path} ({data_path.stat().st_size / 1e6:.1f} MB)")
+    return result
+
+
+def _weights_apart(model: nn.Module, plan: ExportPlan, asked: bool | None, static: bool, slotted: bool) -> bool:
+    """Whether the export writes the weights to `<stem>.ptd` (`export`'s `external_weights`), checked."""
+    if asked is None:
+        return plan.backend.external_weights and not static and not slotted and _tied(model)
+    if not isinstance(asked, bool):
+        raise ConfigError(f"external_weights={asked!r} is not accepted; give True, False or None (apart when tied)")
+    if asked and not plan.backend.external_weights:
+        able = sorted(b.name for b in backends() if b.external_weights)
+        raise ConfigError(f"external_weights=True: backend={plan.backend.name!r} keeps weights in its own compiled form; "
+                          f"backends whose programs read a .ptd: {able}")
+    if asked and static:
+        raise ConfigError("external_weights=True takes dynamic programs; a static program (prefill and decode) keeps its "
+                          "weights inside the .pte: export with external_weights=False")
+    if asked and slotted:
+        raise ConfigError("external_weights=True does not combine with LoRA slots (adapter_mode='slots'); use "
+                          "adapter_mode='programs', which writes the base weights apart")
+    return asked
+
+
+def _tied(model: nn.Module) -> bool:
+    """Whether the model's input embedding and output layer are one tensor."""
+    if not (hasattr(model, "get_input_embeddings") and hasattr(model, "get_output_embeddings")):
+        return False
+    embedding, output = model.get_input_embeddings(), model.get_output_embeddings()
+    return embedding is not None and output is not None and getattr(embedding, "weight", None) is getattr(output, "weight", 1)
 
 
 @dataclass
@@ -227,8 +271,6 @@ def _lower(model: nn.Module, plan: ExportPlan, partitioners: list, share_mutable
     program, exported = _export_methods(model, plan)
     for ep in exported.values():
         plan.backend.apply_passes(ep)
-        if weights_tag is not None:
-            tag_constants(ep, weights_tag, inside)
     seconds = {"export": time.perf_counter() - start}
 
     start = time.perf_counter()
@@ -240,6 +282,7 @@ def _lower(model: nn.Module, plan: ExportPlan, partitioners: list, share_mutable
         partitioner=partitioners,
         compile_config=EdgeCompileConfig(_check_ir_validity=False),
         constant_methods=program.metadata,
+        transform_passes=None if weights_tag is None else tagging_pass(weights_tag, inside),
     )
     delegations = {name: summarize(edge.exported_program(name).graph_module) for name in exported}
     seconds["lower"] = time.perf_counter() - start
@@ -283,7 +326,7 @@ def _export_adapter_programs(model: nn.Module, plan: ExportPlan, partitioners: l
 
 def _result(lowered: _Lowered, path: Path, plan: ExportPlan, text_tokenizer: Any, adapters: dict[str, Path]) -> ExportResult:
     result = ExportResult(path, plan.backend.name, lowered.methods, lowered.metadata, lowered.delegations,
-                          lowered.seconds, plan.applied, adapters)
+                          lowered.seconds, plan.applied, adapters, quantized=dict(plan.quantized))
     if text_tokenizer is not None:
         result.tokenizer = save_tokenizer(text_tokenizer, path)
         result.tokenizer_source = getattr(text_tokenizer, "name_or_path", "") or type(text_tokenizer).__name__
@@ -510,9 +553,12 @@ def _export_dynamic(model: nn.Module, plan: ExportPlan, max_seq_len: int | None,
 
 @contextmanager
 def _weights_quantized(model: nn.Module, program_module: nn.Module, example_inputs: tuple, plan: ExportPlan):
-    with quantized_weights(model, program_module, example_inputs, plan.weights) as names:
-        if names:
-            plan.say(f"quantized the weights of {len(names)} modules ({plan.weights}) for the export; the model keeps its own")
+    with quantized_weights(model, program_module, example_inputs, plan.weights) as record:
+        if record:
+            kept = sum(how == KEPT for how in record.values())
+            plan.say(f"quantized the weights of {len(record)} modules ({plan.weights}) for the export; the model keeps its own"
+                     + (f"; {kept} kept the int4 groups they had" if plan.weights.recipe else ""))
+        plan.quantized.update(record)
         yield
 
 

@@ -30,6 +30,24 @@ def tag_constants(ep: torch.export.ExportedProgram, tag: str, inside: Iterable[t
         name = names.get(node.name) if node.op == "placeholder" else None
         if name is not None and name not in written and id(ep.state_dict.get(name)) not in kept:
             node.meta.setdefault("custom", {})[TAG_KEY] = tag
+            for user in node.users:  # XNNPACK reads a quantized weight's tag from the node that dequantizes it
+                if "dequantize" in str(user.target):
+                    user.meta.setdefault("custom", {})[TAG_KEY] = tag
+
+
+def tagging_pass(tag: str, inside: Iterable[torch.Tensor] = ()):
+    """`tag_constants` as a pass of `to_edge_transform_and_lower` (`transform_passes`), which runs on the edge
+    programs before partitioning: there tensor subclasses (torchao's quantized weights) are plain tensors, each a
+    placeholder of its own."""
+    from executorch.exir.pass_base import ExportedProgramPassBase, ExportedProgramPassResult
+    from executorch.exir.pass_manager import ExportedProgramPassManager
+
+    class TagConstants(ExportedProgramPassBase):
+        def call(self, exported_program):
+            tag_constants(exported_program, tag, inside)
+            return ExportedProgramPassResult(exported_program, True)
+
+    return ExportedProgramPassManager([TagConstants()])
 
 
 def constant_tag(node: torch.fx.Node) -> str | None:

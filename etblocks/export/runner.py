@@ -16,7 +16,8 @@ from etblocks.errors import AdapterMismatchError, ConfigError, ContextOverflowEr
 from etblocks.export.adapters import ADAPTERS_METHOD, SET_ADAPTER_METHOD, AdapterTable
 from etblocks.export.contract import CONTRACT_METHOD, StaticContract
 from etblocks.export.external import weights_file
-from etblocks.export.feeders import DynamicFeeder, StaticFeeder
+from etblocks.export.accuracy import Perplexity
+from etblocks.export.feeders import DynamicFeeder, StaticFeeder, check_room
 from etblocks.export.sampling import distribution, draw, sample
 from etblocks.export.speculate import (
     DRAFT_PREFIX,
@@ -328,6 +329,44 @@ class Runner:
         `Chat` keeps a conversation going turn by turn."""
         ids = encode_chat(self.tokenizer, messages)
         return self.tokenizer.decode(self.generate(ids, max_new_tokens, **generation), skip_special_tokens=True)
+
+    def score(self, text_or_ids: str | Sequence[int]) -> torch.Tensor:
+        """`[len(ids) - 1]` float32: the log-probability of each token of `text_or_ids` (text encoded as the
+        tokenizer does, with its special tokens) given the tokens before it; a new sequence, left reset.
+
+        In calls of as many tokens as the program checks at once: a dynamic program exported with `max_draft`
+        (its `verify` method, `max_draft + 1` tokens per call), a static one with caller-owned state (a `prefill`
+        chunk); other programs one token per call. `ContextOverflowError` beyond the context; `perplexity`
+        scores longer text in windows."""
+        ids = self._ids(text_or_ids)
+        if len(ids) < 2:
+            raise ConfigError(f"score takes at least 2 tokens (the first is scored by none); got {len(ids)}")
+        check_room(0, len(ids) - 1, self.max_context_len)
+        self.reset()
+        try:
+            rows = []
+            width = self._feeder.max_verify
+            for start in range(0, len(ids) - 1, max(width, 1)):
+                chunk = ids[start : min(start + max(width, 1), len(ids) - 1)]
+                if width >= 2:
+                    rows.append(self._feeder.verify(chunk))
+                    self._feeder.keep(len(chunk))
+                else:
+                    rows.append(self._feeder.forward(chunk)[None])
+            log_probs = torch.cat(rows).float().log_softmax(-1)
+            return log_probs.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        finally:
+            self.reset()
+
+    def perplexity(self, text_or_ids: str | Sequence[int], window: int | None = None) -> Perplexity:
+        """The perplexity of `text_or_ids` scored in consecutive windows of `window` tokens (default: the
+        program's context), each a new sequence whose first token is scored by none (as `score`)."""
+        ids = self._ids(text_or_ids)
+        window = self.max_context_len if window is None else window
+        if not isinstance(window, int) or not 2 <= window <= self.max_context_len:
+            raise ConfigError(f"window={window!r} is not accepted; give 2 .. {self.max_context_len} (the program's context)")
+        scored = [self.score(ids[start : start + window]) for start in range(0, len(ids) - 1, window) if len(ids) - start >= 2]
+        return Perplexity.of(torch.cat(scored))
 
     def _ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -8,14 +8,21 @@
   dynamically quantized GEMM. One departure: XNNPACK stores int4 group scales as bf16, so 8da4w scales are made
   bf16 here (torchao's `weight_scale_dtype`, which re-rounds the integers to them) and the program computes what
   torchao's eager model computes; ExecuTorch's export keeps fp32 scales that XNNPACK then rounds.
+- Recipes, `"4bit"` / `"8bit"` (the defaults that keep a real model, measured on SmolLM2 in
+  `benchmarks/accuracy.py`): `"4bit"` makes every linear asymmetric int4 per group (`etblocks.export.int4`: a
+  weight already on int4 groups, as a GGUF file's Q4_0 / Q4_1 / Q4_K blocks dequantized, keeps its values; other
+  weights get GGUF Q4_1's min-max rounding), `"8bit"` makes them 8da8w unless they are on int4 groups (kept as in
+  `"4bit"`). Both make the output layer int8 per row (8da8w) and the embedding int8: a tied output layer and
+  embedding hold the same int8 rows and scales, which a program with its weights in a `.ptd` stores once.
 - Embedding, `"int8"`: one int8 row and one scale per token (torchao's `IntxWeightOnlyConfig`, per row), looked
   up by `quantized_decomposed::embedding_byte` on CPU (XNNPACK has no embedding): ExecuTorch's
   `EmbeddingQuantHandler` / `QuantizedGroupEmbedding`.
 
 Quantization lasts only while the program is exported (`quantized_weights`): the model keeps its float weights.
 Only modules the program calls are quantized; a block that reads a linear's weight itself (MLA's absorbed
-`kv_b_proj`) keeps it float, as do LoRA slots and MoE experts held as 3-D parameters. The lm_head of a model with
-tied embeddings gets its own quantized weight (the embedding stays float unless quantized itself).
+`kv_b_proj`) keeps it float, as do LoRA slots and MoE experts held as 3-D parameters. With `"8da4w"` / `"8da8w"`
+the lm_head of a model with tied embeddings gets its own quantized weight (the embedding stays float unless
+quantized itself).
 """
 
 from __future__ import annotations
@@ -29,23 +36,31 @@ from torch import nn
 
 from etblocks.backends import Backend, backends
 from etblocks.errors import ConfigError
-from etblocks.options import OPTIONS, check
+from etblocks.export.int4 import AsymmetricInt4Linear, intx_tensor, min_max_groups, on_grid
+from etblocks.options import OPTIONS, WEIGHT_RECIPES, check
 
 GROUP_MULTIPLE = 32  # XNNPACK's blockwise int4 GEMM takes groups of a multiple of 32 inputs
 
 
 @dataclass(frozen=True)
 class WeightQuantization:
-    """What `quantized_weights` applies: a linear scheme (`"8da4w"` with `group_size`, `"8da8w"`) and/or an
-    embedding scheme (`"int8"`)."""
+    """What `quantized_weights` applies: a linear scheme (a recipe, `"4bit"` / `"8bit"`, or `"8da4w"` with
+    `group_size`, `"8da8w"`) and/or an embedding scheme (`"int8"`)."""
 
     linear: str | None = None
     group_size: int | None = None
     embedding: str | None = None
 
+    @property
+    def recipe(self) -> bool:
+        """Whether the linears follow a recipe (`"4bit"`, `"8bit"`: its own output layer and int4 groups)."""
+        return self.linear in WEIGHT_RECIPES
+
     def __str__(self) -> str:
         parts = []
-        if self.linear is not None:
+        if self.recipe:
+            parts.append(f"{self.linear} recipe (int4 groups of {self.group_size}, int8 output layer)")
+        elif self.linear is not None:
             parts.append(f"{self.linear}-g{self.group_size}" if self.group_size else self.linear)
         if self.embedding is not None:
             parts.append(f"{self.embedding} embedding")
@@ -86,11 +101,13 @@ def weight_quantization(
         if value is not None and value not in runs:
             able = sorted(b.name for b in backends() if value in (b.weight_schemes + b.embedding_schemes))
             raise ConfigError(f"{name}={value!r}: backend={backend.name!r} has no kernels for it; backends that run it: {able}")
-    if linear == "8da4w" and not (isinstance(group_size, int) and group_size > 0 and group_size % GROUP_MULTIPLE == 0):
+    if linear in WEIGHT_RECIPES:
+        embedding = embedding or "int8"  # a recipe quantizes the embedding too
+    if linear in ("8da4w", *WEIGHT_RECIPES) and not (isinstance(group_size, int) and group_size > 0 and group_size % GROUP_MULTIPLE == 0):
         raise ConfigError(f"group_size={group_size!r} is not accepted; give a positive multiple of {GROUP_MULTIPLE} (XNNPACK's int4 groups)")
     if linear is None and embedding is None:
         return None
-    return WeightQuantization(linear, group_size if linear == "8da4w" else None, embedding)
+    return WeightQuantization(linear, group_size if linear in ("8da4w", *WEIGHT_RECIPES) else None, embedding)
 
 
 def called_modules(
@@ -147,19 +164,45 @@ class QuantizedEmbedding(nn.Module):
         return torch.ops.quantized_decomposed.embedding_byte.dtype(self.weight, self.scales, None, qmin, qmax, indices, dtype=self.dtype)
 
 
+class Int8RowsLinear(nn.Module):
+    """`forward(x [..., in]) -> [..., out]`: a linear of int8 rows `q [out, in]` times one `scales [out]` each, with
+    int8 dynamically quantized activations (8da8w), from the same tensors as a tied `QuantizedEmbedding`."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(intx_tensor(q, scales[:, None], torch.int8, q.shape[1]), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(q [out, in] int8, scales [out] float32)`: each row symmetric int8 at its largest magnitude (as GGUF's Q8_0
+    per block)."""
+    weight = weight.detach().float()
+    scales = (weight.abs().amax(-1) / torch.iinfo(torch.int8).max).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.clamp(torch.round(weight / scales[:, None]), -torch.iinfo(torch.int8).max, torch.iinfo(torch.int8).max)
+    return q.to(torch.int8), scales
+
+
+KEPT = "int4 groups, kept"  # what the record says of a weight that was on int4 groups already
+
+
 @contextmanager
 def quantized_weights(
     model: nn.Module, program: nn.Module, example_inputs: tuple, plan: WeightQuantization | None
-) -> Iterator[list[str]]:
+) -> Iterator[dict[str, str]]:
     """Quantize the linears (and embeddings) of `model` that one forward of `program` (`model` seen through a
-    program contract) calls while the block runs; yields their names. On exit every module and parameter is the
-    float original again (the same objects).
+    program contract) calls while the block runs; yields what became of each module, by name (`KEPT` for a
+    weight kept on the int4 groups it had). On exit every module and parameter is the float original again (the
+    same objects).
 
     `ConfigError` (nothing changed) if `group_size` does not divide a linear's in_features, or if the program
     calls no module a requested scheme applies to.
     """
     if plan is None:
-        yield []
+        yield {}
         return
     requested = {nn.Linear: ("quantize_weights", plan.linear), nn.Embedding: ("quantize_embedding", plan.embedding)}
     requested = {kind: option for kind, option in requested.items() if option[1] is not None}
@@ -172,11 +215,46 @@ def quantized_weights(
     if plan.group_size:
         check_group_size(linears, plan.group_size)
     with ExitStack() as restore:
+        if plan.recipe:
+            replacements = _recipe_modules(model, linears, embeddings, plan)
+            for name, (replacement, _) in replacements.items():
+                restore.enter_context(_replaced(model, name, replacement))
+            yield {name: how for name, (_, how) in replacements.items()}
+            return
         if linears:
             restore.enter_context(_quantized_linears(model, [m for _, m in linears], plan.linear_config()))
         for name, embedding in embeddings:
             restore.enter_context(_replaced(model, name, QuantizedEmbedding.from_embedding(embedding, plan.embedding_config())))
-        yield [name for name, _ in modules]
+        yield {name: plan.linear if isinstance(m, nn.Linear) else f"{plan.embedding} rows" for name, m in modules}
+
+
+def _recipe_modules(
+    model: nn.Module, linears: list[tuple[str, nn.Linear]], embeddings: list[tuple[str, nn.Embedding]], plan: WeightQuantization
+) -> dict[str, tuple[nn.Module, str]]:
+    """The module that replaces each of `linears` and `embeddings` under a recipe, and what it holds. A tied output
+    layer and embedding share one quantization of their weight."""
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def rows_of(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if id(weight) not in rows:
+            rows[id(weight)] = int8_rows(weight)
+        return rows[id(weight)]
+
+    replacements: dict[str, tuple[nn.Module, str]] = {}
+    for name, linear in linears:
+        groups = None if linear is output else on_grid(linear.weight, plan.group_size)
+        if groups is not None:
+            replacements[name] = (AsymmetricInt4Linear(groups, linear.bias), KEPT)
+        elif linear is output or plan.linear == "8bit":
+            what = "int8 rows" + (" (output layer)" if linear is output else "")
+            replacements[name] = (Int8RowsLinear(*rows_of(linear.weight), linear.bias), what)
+        else:
+            replacements[name] = (AsymmetricInt4Linear(min_max_groups(linear.weight, plan.group_size), linear.bias), "int4 groups, min-max")
+    for name, embedding in embeddings:
+        q, scales = rows_of(embedding.weight)
+        replacements[name] = (QuantizedEmbedding(q, scales, embedding.weight.dtype), "int8 rows (embedding)")
+    return replacements
 
 
 @contextmanager
