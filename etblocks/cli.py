@@ -199,7 +199,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         eos_ids=options["eos_ids"], quantize_weights=options["quantize_weights"], group_size=options["group_size"],
         quantize_embedding=options["quantize_embedding"], quantize_activations=options["quantize_activations"],
         calibration=calibration, backend_options=backend_options, tokenizer=tokenizer, max_draft=options["max_draft"],
-        draft=draft, adapter_mode=options["adapter_mode"],
+        draft=draft, adapter_mode=options["adapter_mode"], check_accuracy=options["check_accuracy"],
+        max_perplexity_increase=options["max_perplexity_increase"],
     )
     seconds = {"swap": swap_seconds, **result.seconds}
     print(_export_summary(result, model_name, seconds), flush=True)
@@ -345,6 +346,8 @@ def _export_summary(result, model_name: str, seconds: dict[str, float]) -> str:
         f"next: etblocks run --pte {result.path} "
         + ("--prompt 'Once upon a time'" if result.tokenizer else "--prompt-ids 1,2,3") + " --max-new-tokens 16",
     ]
+    if result.accuracy is not None:
+        lines.insert(-1, f"  accuracy    {result.accuracy}")
     if result.quantized:
         held = Counter(result.quantized.values())
         lines.insert(-1, "  modules     " + ", ".join(f"{count} {how}" for how, count in held.items()))

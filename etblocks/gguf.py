@@ -9,8 +9,10 @@ groups: the 4-bit recipes find them (`etblocks.export.int4.on_grid`) and keep th
 
 from __future__ import annotations
 
+import functools
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from etblocks.errors import ConfigError
 
@@ -43,12 +45,31 @@ def load_gguf(path: str | Path, dtype: Any = None) -> tuple[Any, Any]:
 
     where = {"pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name, "local_files_only": True}
     try:
-        loaded = AutoModelForCausalLM.from_pretrained(**where, dtype=dtype or torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(**where)
+        with _no_progress_bars():
+            loaded = AutoModelForCausalLM.from_pretrained(**where, dtype=dtype or torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(**where)
     except Exception as exc:  # transformers raises many types for an architecture or tensor type it lacks
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise ConfigError(f"model={str(path)!r} could not be loaded by transformers' GGUF loader: {type(exc).__name__}: {first}") from exc
     return _plain(loaded), tokenizer
+
+
+@contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers' progress bars off while loading: its own (`Loading weights`), and the tqdm bar its GGUF
+    conversion makes with no switch of its own (the module's `tqdm` is made a disabled one for the time)."""
+    from transformers import modeling_gguf_pytorch_utils as conversion
+    from transformers.utils import logging as hf_logging
+
+    shown, bar = hf_logging.is_progress_bar_enabled(), conversion.tqdm
+    hf_logging.disable_progress_bar()
+    conversion.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        conversion.tqdm = bar
+        if shown:
+            hf_logging.enable_progress_bar()
 
 
 def _plain(loaded: Any) -> Any:

@@ -137,6 +137,12 @@ def temperature(value: Any) -> float:
     return float(value)
 
 
+def fraction_at_least_zero(value: Any) -> float:
+    if not _is_number(value) or value < 0:
+        raise Rejected("give a number >= 0 (a fraction: 0.03 allows 3% more perplexity)")
+    return float(value)
+
+
 def top_p(value: Any) -> float:
     if not _is_number(value) or not 0 < value <= 1:
         raise Rejected("give a number in (0, 1]")
@@ -277,6 +283,11 @@ OPTIONS_LIST = (
            "each adapter a small <out stem>.NAME.pte holding its tensors as constants: the base's decode speed, a "
            "switch loads that program; dynamic programs on xnnpack or portable)", default="slots",
            choices=ADAPTER_MODES, metavar="MODE"),
+    Option("check_accuracy", EXPORT, path, "score the written program on this text file against the unquantized model "
+           "(perplexity ratio, top-1, KL; dynamic programs) and report it", metavar="FILE"),
+    Option("max_perplexity_increase", EXPORT, fraction_at_least_zero, "with --check-accuracy: a program whose perplexity "
+           "exceeds the model's by more than this fraction (0.03: 3%) is an error (exit 2) and no file is kept",
+           kind=float, metavar="F"),
     Option("check", EXPORT, boolean, "print the backend's readiness report of the program instead of lowering (qnn: every "
            "op against ExecuTorch's QNN op builders, no Qualcomm SDK needed); exit code 1 if not ready", kind="switch"),
     Option("pte", PROGRAM, path, "the .pte to run (default: the config's pte, else its out)"),

@@ -212,6 +212,16 @@ def hf_greedy(model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: int)
     return out[0, prompt.shape[1] :].tolist()
 
 
+def hf_log_probs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """`[len(ids) - 1]`: transformers' log-probability of each token given those before it (one forward)."""
+    with torch.no_grad():
+        log_probs = model(torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)
+    return log_probs.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+SCORE_ATOL = 1e-4  # fp32 programs' log-probabilities against transformers' (their logits agree to ~1e-5)
+
+
 def snapshot_of(model: torch.nn.Module):
     """Module types by name and a copy of the state dict: what `assert_untouched` compares against."""
     return {name: type(module) for name, module in model.named_modules()}, {

@@ -13,8 +13,9 @@ difference does not make every later position differ, as it would in free genera
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -60,6 +61,46 @@ class Perplexity:
 
     def __str__(self) -> str:
         return f"perplexity {self.value:.4f} over {self.tokens} tokens ({self.mean_nll:.4f} nats per token)"
+
+
+@dataclass(frozen=True)
+class ProgramAccuracy:
+    """A program scored against its unquantized model on the same text (`export(..., check_accuracy=...)`)."""
+
+    perplexity: float
+    reference_perplexity: float
+    top1_agreement: float
+    mean_kl: float  # nats, KL(P_ref || P_program)
+    tokens: int
+
+    @property
+    def increase(self) -> float:
+        """The program's perplexity over the model's, less one (0.03: 3% more)."""
+        return self.perplexity / self.reference_perplexity - 1
+
+    def __str__(self) -> str:
+        return (f"perplexity {self.perplexity:.4f} vs {self.reference_perplexity:.4f} unquantized ({self.increase:+.2%}), "
+                f"top-1 {self.top1_agreement:.1%}, KL {self.mean_kl:.4f} nats, {self.tokens} tokens")
+
+
+def program_accuracy(
+    reference: Callable[[list[int]], torch.Tensor], candidate: Callable[[list[int]], torch.Tensor], windows: Sequence[list[int]]
+) -> ProgramAccuracy:
+    """Both given each window teacher-forced (`logits(ids) -> [len(ids), V]`, e.g. `Runner.logits`); every
+    position but a window's last predicts the next token."""
+    nll_ref, nll, agree, kl, n = 0.0, 0.0, 0, 0.0, 0
+    for window in windows:
+        targets = torch.tensor(window[1:])[:, None]
+        log_p = reference(window)[:-1].double().log_softmax(-1)
+        log_q = candidate(window)[:-1].double().log_softmax(-1)
+        nll_ref -= float(log_p.gather(1, targets).sum())
+        nll -= float(log_q.gather(1, targets).sum())
+        agree += int((log_p.argmax(-1) == log_q.argmax(-1)).sum())
+        kl += float((log_p.exp() * (log_p - log_q)).sum())
+        n += len(window) - 1
+    if n == 0:
+        raise ConfigError("the text gives no token to score; give at least 2 tokens")
+    return ProgramAccuracy(math.exp(nll / n), math.exp(nll_ref / n), agree / n, kl / n, n)
 
 
 class EagerModel:

@@ -29,6 +29,8 @@ from etblocks.export.adapters import (
     lora_layers,
     set_adapter_program,
 )
+from etblocks.export.accuracy import ProgramAccuracy
+from etblocks.export.accuracy_check import accuracy_text_ids, checked_accuracy
 from etblocks.export.delegation import DelegationSummary, summarize
 from etblocks.export.external import WEIGHTS_TAG, constant_tag, tagging_pass, weights_file, write_weights
 from etblocks.export.hybrid import attention_on_cpu
@@ -79,6 +81,7 @@ class ExportResult:
     data_path: Path | None = None
     adapter_delegations: dict[str, dict[str, DelegationSummary]] = field(default_factory=dict)
     quantized: dict[str, str] = field(default_factory=dict)
+    accuracy: ProgramAccuracy | None = None  # with check_accuracy: the program against the unquantized model
 
     @property
     def delegation(self) -> DelegationSummary:
@@ -137,6 +140,8 @@ def export(
     draft: nn.Module | None = None,
     adapter_mode: str = ADAPTER_SLOTS,
     external_weights: bool | None = None,
+    check_accuracy: str | Path | None = None,
+    max_perplexity_increase: float | None = None,
 ) -> ExportResult:
     """Export, lower and save.
 
@@ -184,6 +189,11 @@ def export(
     them twice. None (default): apart when the model's embedding and output layer are tied and the program is a
     dynamic one without LoRA slots; False: inside the `.pte`.
 
+    `check_accuracy` (dynamic programs): a text file the written program is scored on against the unquantized
+    model (`ExportResult.accuracy`: perplexity of both, top-1 agreement, KL; `etblocks.export.accuracy_check`);
+    with `max_perplexity_increase` (a fraction: 0.03 allows 3%), a program beyond it is a `ConfigError` and no
+    file is kept.
+
     `progress`: each step (exporting, calibrating, lowering, serializing) is logged on the "etblocks" logger and,
     with the default None, shown on stderr with the elapsed time when it is a terminal and `logging` is not
     configured (a terminal's line counts the running step's seconds inside `etblocks.quiet()`); True shows them on
@@ -199,11 +209,15 @@ def export(
         quantize_activations=quantize_activations, calibration=calibration, backend_options=backend_options,
         progress=progress, max_draft=max_draft, draft=draft, adapter_mode=adapter_mode,
     )
+    accuracy_ids = accuracy_text_ids(check_accuracy, max_perplexity_increase, text_tokenizer, model)
     info = getattr(model, "etblocks_swap", None)
     if info is not None and info.recipe.partition == "hybrid":
         partitioners = [attention_on_cpu(p) for p in partitioners]
     has_adapters = bool(lora_layers(model))
     if has_adapters and plan.adapter_mode == ADAPTER_PROGRAMS:
+        if accuracy_ids is not None:
+            raise ConfigError("check_accuracy= scores one program; adapter_mode='programs' writes one per adapter: "
+                              "check the base with adapter_mode='slots', or each program with `etblocks eval`")
         return _export_adapter_programs(model, plan, partitioners, out, text_tokenizer)
     slotted = has_adapters and not (info is not None and info.recipe.static)  # slots as buffers
     if slotted:
@@ -222,6 +236,10 @@ def export(
     if data_path is not None:
         result.data_path = data_path
         plan.say(f"wrote the weights to {data_path} ({data_path.stat().st_size / 1e6:.1f} MB)")
+    if accuracy_ids is not None:
+        plan.say(f"scoring the program on {len(accuracy_ids)} tokens of {check_accuracy} against the unquantized model")
+        result.accuracy = checked_accuracy(model, result, accuracy_ids, max_perplexity_increase)
+        plan.say(f"accuracy: {result.accuracy}")
     return result
 
 

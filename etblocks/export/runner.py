@@ -330,33 +330,39 @@ class Runner:
         ids = encode_chat(self.tokenizer, messages)
         return self.tokenizer.decode(self.generate(ids, max_new_tokens, **generation), skip_special_tokens=True)
 
-    def score(self, text_or_ids: str | Sequence[int]) -> torch.Tensor:
-        """`[len(ids) - 1]` float32: the log-probability of each token of `text_or_ids` (text encoded as the
-        tokenizer does, with its special tokens) given the tokens before it; a new sequence, left reset.
+    def logits(self, text_or_ids: str | Sequence[int]) -> torch.Tensor:
+        """`[len(ids), V]`: row i is the logits after the first i + 1 tokens of `text_or_ids` (text encoded as the
+        tokenizer does, with its special tokens), every token fed as given (teacher forcing); a new sequence,
+        left reset.
 
         In calls of as many tokens as the program checks at once: a dynamic program exported with `max_draft`
         (its `verify` method, `max_draft + 1` tokens per call), a static one with caller-owned state (a `prefill`
-        chunk); other programs one token per call. `ContextOverflowError` beyond the context; `perplexity`
-        scores longer text in windows."""
+        chunk); other programs one token per call. `ContextOverflowError` beyond the context."""
         ids = self._ids(text_or_ids)
-        if len(ids) < 2:
-            raise ConfigError(f"score takes at least 2 tokens (the first is scored by none); got {len(ids)}")
-        check_room(0, len(ids) - 1, self.max_context_len)
+        check_room(0, len(ids), self.max_context_len)
+        width = self._feeder.max_verify
         self.reset()
         try:
             rows = []
-            width = self._feeder.max_verify
-            for start in range(0, len(ids) - 1, max(width, 1)):
-                chunk = ids[start : min(start + max(width, 1), len(ids) - 1)]
+            for start in range(0, len(ids), max(width, 1)):
+                chunk = ids[start : start + max(width, 1)]
                 if width >= 2:
                     rows.append(self._feeder.verify(chunk))
                     self._feeder.keep(len(chunk))
                 else:
                     rows.append(self._feeder.forward(chunk)[None])
-            log_probs = torch.cat(rows).float().log_softmax(-1)
-            return log_probs.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+            return torch.cat(rows)
         finally:
             self.reset()
+
+    def score(self, text_or_ids: str | Sequence[int]) -> torch.Tensor:
+        """`[len(ids) - 1]` float32: the log-probability of each token of `text_or_ids` given the tokens before
+        it (from `logits`, whose calls it makes). `perplexity` scores longer text in windows."""
+        ids = self._ids(text_or_ids)
+        if len(ids) < 2:
+            raise ConfigError(f"score takes at least 2 tokens (the first is scored by none); got {len(ids)}")
+        log_probs = self.logits(ids[:-1]).float().log_softmax(-1)
+        return log_probs.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
 
     def perplexity(self, text_or_ids: str | Sequence[int], window: int | None = None) -> Perplexity:
         """The perplexity of `text_or_ids` scored in consecutive windows of `window` tokens (default: the

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy
 import pytest
 import torch
-from hf_models import VOCAB, WINDOW, hf_greedy, prompt_ids, swapped_family, tiny_model
+from hf_models import SCORE_ATOL, VOCAB, WINDOW, hf_greedy, hf_log_probs, prompt_ids, swapped_family, tiny_model
 from speculation_refs import MAX_DRAFT, NEW_TOKENS, PROMPTS, check_greedy_with_speculation
 
 import etblocks
@@ -66,6 +66,21 @@ def test_dynamic_program_speculates_to_hf_generate(dynamic):
     assert "verify" in result.methods and result.metadata["get_max_verify_len"] == MAX_DRAFT + 1
     # int8 caches round K/V unlike HF: there speculation must leave the program's own greedy tokens unchanged
     check_greedy_with_speculation(etblocks.Runner(result.path), None if "int8" in name else original, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "mistral", "deepseek_v2"])
+def test_score_is_transformers_log_probs(programs, name):
+    """`Runner.score` in `verify` calls of MAX_DRAFT + 1 tokens (full attention, rings that wrap, latent caches):
+    transformers' log-probabilities; `perplexity` over windows is the exponent of their negated mean."""
+    _, original, result = programs(name)
+    runner = etblocks.Runner(result.path)
+    ids = prompt_ids(40, seed=3)[0].tolist()
+    expected = hf_log_probs(original, ids)
+    torch.testing.assert_close(runner.score(ids), expected, rtol=0, atol=SCORE_ATOL)
+    windows = torch.cat([hf_log_probs(original, ids[:20]), hf_log_probs(original, ids[20:])])
+    assert runner.perplexity(ids, window=20).value == pytest.approx(float((-windows.double().mean()).exp()), rel=1e-4)
+    assert runner.pos == 0  # left reset
 
 
 def test_rings_get_spare_slots_for_rejected_rows():

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import hf_greedy, original_and_copy, prompt_ids
+from hf_models import SCORE_ATOL, hf_greedy, hf_log_probs, original_and_copy, prompt_ids
 from speculation_refs import check_greedy_with_speculation
 from static_refs import CHUNK, CONTEXT, eager_feeder, greedy, swap_static
 
@@ -91,6 +91,15 @@ def test_runner_speculation_matches_hf_generate(exported):
     the kept tokens' rows, and recurrent states run the kept tokens again after a rejection."""
     name, backend, original, result = exported
     check_greedy_with_speculation(etblocks.Runner(result.path), original, f"{name} {backend}")
+
+
+@pytest.mark.slow
+def test_runner_scores_as_transformers(exported):
+    """`Runner.score` in padded `prefill` chunks (the last one partial): transformers' log-probabilities."""
+    name, backend, original, result = exported
+    runner = etblocks.Runner(result.path)
+    ids = prompt_ids(2 * CHUNK + 5, seed=3)[0].tolist()
+    torch.testing.assert_close(runner.score(ids), hf_log_probs(original, ids), rtol=0, atol=SCORE_ATOL, msg=f"{name} {backend}")
 
 
 @pytest.mark.slow

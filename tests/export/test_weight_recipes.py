@@ -15,7 +15,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from hf_models import hf_greedy, prompt_ids, tiny_model
+from hf_models import SCORE_ATOL, hf_greedy, hf_log_probs, prompt_ids, tiny_model
 from quant_refs import hf_prefix_logits, program_prefix_logits
 from torch import nn
 
@@ -136,7 +136,10 @@ def test_tied_float_program_stores_the_checkpoint_once(base, tmp_path):
     assert result.data_path is not None
     assert result.data_path.stat().st_size <= 1.02 * size, (result.data_path.stat().st_size, size)
     prompt = prompt_ids(8)
-    assert etblocks.Runner(result.path).generate(prompt[0].tolist(), max_new_tokens=8) == hf_greedy(base, prompt, 8)
+    runner = etblocks.Runner(result.path)
+    assert runner.generate(prompt[0].tolist(), max_new_tokens=8) == hf_greedy(base, prompt, 8)
+    ids = prompt_ids(20, seed=3)[0].tolist()  # no verify method: scored one token per call
+    torch.testing.assert_close(runner.score(ids), hf_log_probs(base, ids), rtol=0, atol=SCORE_ATOL)
 
 
 def test_8bit_computes_the_reference_and_keeps_int4_groups(base):
@@ -175,3 +178,40 @@ def test_bad_options_raise_before_any_work(base, tmp_path, options, swap_options
     with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace("[", r"\[")):
         etblocks.export(model, out=tmp_path / "x.pte", **options)
     assert not (tmp_path / "x.pte").exists()
+
+
+def word_tokenizer():
+    """Words `t0` .. `t{VOCAB - 1}`, one id each."""
+    import tokenizers
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    raw = tokenizers.Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    raw.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=raw)
+
+
+@pytest.mark.slow
+def test_check_accuracy_reports_and_refuses_a_broken_recipe(base, tmp_path, monkeypatch):
+    """fp32: the program scores as its model (within float error); a recipe broken on purpose (every int8 row's
+    scale doubled) is refused beyond the limit, and none of its files is left."""
+    import importlib
+
+    generator = torch.Generator().manual_seed(2)
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"t{int(i)}" for i in torch.randint(3, VOCAB, (200,), generator=generator)))
+    model = etblocks.swap(copy.deepcopy(base), backend="xnnpack", max_seq_len=64)
+    tokenizer = word_tokenizer()
+    result = etblocks.export(model, backend="xnnpack", out=tmp_path / "ok.pte", tokenizer=tokenizer, check_accuracy=text,
+                             max_perplexity_increase=1e-3)
+    assert result.accuracy.tokens == 3 * 63 + 7  # windows of the context: 64, 64, 64 and 8 tokens
+    assert abs(result.accuracy.increase) <= 1e-4 and result.accuracy.top1_agreement == 1.0
+    assert result.accuracy.mean_kl <= 1e-6
+    weights = importlib.import_module("etblocks.export.weights")
+    rows = weights.int8_rows
+    monkeypatch.setattr(weights, "int8_rows", lambda weight: (rows(weight)[0], 2 * rows(weight)[1]))
+    with pytest.raises(ConfigError, match=r"max_perplexity_increase=0.05: the program's perplexity is \+"):
+        etblocks.export(model, backend="xnnpack", out=tmp_path / "broken.pte", tokenizer=tokenizer, quantize_weights="8bit",
+                        check_accuracy=text, max_perplexity_increase=0.05)
+    assert not list(tmp_path.glob("broken*"))
