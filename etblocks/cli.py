@@ -330,7 +330,10 @@ def _export_summary(result, model_name: str, seconds: dict[str, float]) -> str:
     from etblocks.export.adapters import ADAPTERS_METHOD
     from etblocks.export.contract import CONTRACT_METHOD, StaticContract
 
-    metadata = ", ".join(f"{k}={v}" for k, v in result.metadata.items() if k not in (CONTRACT_METHOD, ADAPTERS_METHOD))
+    from etblocks.export.weights import QUANTIZATION_METHOD
+
+    hidden = (CONTRACT_METHOD, ADAPTERS_METHOD, QUANTIZATION_METHOD)
+    metadata = ", ".join(f"{k}={v}" for k, v in result.metadata.items() if k not in hidden)
     timings = ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items())
     weights = "RANDOM weights (demo model, for demonstration only)" if model_name == DEMO else f"from {model_name}"
     lines = [
@@ -415,6 +418,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"text={str(options['text'])!r} ({options.where('text')}) cannot be read as UTF-8 text: {exc}") from None
     runner = _generating_runner(options, _progress())
+    quantization = runner.quantization
+    if quantization is not None:
+        held = Counter(quantization["modules"].values())
+        print(f"weights: {quantization['scheme']}; " + ", ".join(f"{n} {how}" for how, n in held.items()), flush=True)
     start = time.perf_counter()
     result = runner.perplexity(text, window=options["window"])
     elapsed = time.perf_counter() - start

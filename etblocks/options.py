@@ -139,7 +139,7 @@ def temperature(value: Any) -> float:
 
 def fraction_at_least_zero(value: Any) -> float:
     if not _is_number(value) or value < 0:
-        raise Rejected("give a number >= 0 (a fraction: 0.03 allows 3% more perplexity)")
+        raise Rejected("give a number >= 0 (a fraction: 0.03 allows 3 percent more perplexity)")
     return float(value)
 
 
@@ -286,7 +286,7 @@ OPTIONS_LIST = (
     Option("check_accuracy", EXPORT, path, "score the written program on this text file against the unquantized model "
            "(perplexity ratio, top-1, KL; dynamic programs) and report it", metavar="FILE"),
     Option("max_perplexity_increase", EXPORT, fraction_at_least_zero, "with --check-accuracy: a program whose perplexity "
-           "exceeds the model's by more than this fraction (0.03: 3%) is an error (exit 2) and no file is kept",
+           "exceeds the model's by more than this fraction (0.03: 3 percent) is an error (exit 2) and no file is kept",
            kind=float, metavar="F"),
     Option("check", EXPORT, boolean, "print the backend's readiness report of the program instead of lowering (qnn: every "
            "op against ExecuTorch's QNN op builders, no Qualcomm SDK needed); exit code 1 if not ready", kind="switch"),

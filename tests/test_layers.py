@@ -18,7 +18,8 @@ PACKAGE = Path(etblocks.__file__).parent
 
 # Bottom to top. A module's layer is its first name under `etblocks` (its package, or its own file).
 LAYERS = (
-    ("errors", "options", "demo", "torchtune_compat", "program_files", "noise", "progress", "threads"),
+    ("errors", "options", "demo", "torchtune_compat", "program_files", "noise", "progress", "threads",
+     "gguf"),
     ("ops",),
     ("state",),
     ("attention", "moe", "mixers"),

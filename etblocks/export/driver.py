@@ -45,7 +45,14 @@ from etblocks.export.programs import (
 from etblocks.export.quantize import quantize_static
 from etblocks.export.speculate import DRAFT_PREFIX, MAX_VERIFY_METHOD, VERIFY_METHOD
 from etblocks.export.text import checkpoint_tokenizer, load_tokenizer, save_tokenizer
-from etblocks.export.weights import KEPT, WeightQuantization, quantized_weights, weight_quantization
+from etblocks.export.weights import (
+    KEPT,
+    QUANTIZATION_METHOD,
+    WeightQuantization,
+    quantization_constant,
+    quantized_weights,
+    weight_quantization,
+)
 from etblocks.export.wrappers import DraftProgram
 from etblocks.ops import load_llama_custom_ops
 from etblocks.options import DEFAULT_GROUP_SIZE, OPTIONS, check
@@ -533,7 +540,7 @@ def _export_methods(model: nn.Module, plan: ExportPlan) -> tuple[DynamicProgram 
         return program, exported
     program = static_program(model, plan.max_seq_len, quantized=plan.activations is not None, **tokens)
     plan.say(f"exporting prefill (T={program.contract.chunk}) and decode (T=1) with static shapes")
-    with _weights_quantized(model, program.module, program.example_inputs("decode"), plan):
+    with _weights_quantized(model, program.module, program.example_inputs("decode"), plan, program.metadata):
         exported = {name: _torch_export(program.module, program.example_inputs(name)) for name in program.contract.methods}
     if plan.activations is not None:
         adapters = [program.contract.adapter_table.inputs(adapter_tensors(model, name)) for name in adapter_names(model)]
@@ -554,7 +561,7 @@ def _export_dynamic(model: nn.Module, plan: ExportPlan, max_seq_len: int | None,
     slotted = plan.adapter_mode == ADAPTER_SLOTS and bool(lora_layers(program.module))
     verify = verify_program(model, plan.max_draft) if plan.max_draft is not None else None
     wrap = wrap or (lambda module: module)
-    with _weights_quantized(model, program.module, program.example_inputs(), plan), \
+    with _weights_quantized(model, program.module, program.example_inputs(), plan, program.metadata), \
             (adapter_slots(program.module, lambda: program.module(*program.example_inputs())) if slotted
              else nullcontext()) as table:
         exported = {"forward": _torch_export(wrap(program.module), program.example_inputs(), program.dynamic_shapes())}
@@ -570,9 +577,13 @@ def _export_dynamic(model: nn.Module, plan: ExportPlan, max_seq_len: int | None,
 
 
 @contextmanager
-def _weights_quantized(model: nn.Module, program_module: nn.Module, example_inputs: tuple, plan: ExportPlan):
+def _weights_quantized(model: nn.Module, program_module: nn.Module, example_inputs: tuple, plan: ExportPlan,
+                       metadata: dict):
+    """The weights quantized as `plan` says while the block runs; what each module holds goes to `plan.quantized`
+    and, as a constant method, to the program's `metadata` (`QUANTIZATION_METHOD`)."""
     with quantized_weights(model, program_module, example_inputs, plan.weights) as record:
         if record:
+            metadata.setdefault(QUANTIZATION_METHOD, quantization_constant(str(plan.weights), record))
             kept = sum(how == KEPT for how in record.values())
             plan.say(f"quantized the weights of {len(record)} modules ({plan.weights}) for the export; the model keeps its own"
                      + (f"; {kept} kept the int4 groups they had" if plan.weights.recipe else ""))

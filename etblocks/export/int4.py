@@ -24,13 +24,12 @@ INT8_MAX = 127  # the centres are symmetric int8 per output row
 @dataclass(frozen=True)
 class Int4Groups:
     """`weight [out, in] ~= scale * q + low` per group of `group` inputs: `q` int8 in 0..15 `[out, in]`, `scale` and
-    `low` float32 `[out, in // group]`. `exact`: the weight is on this grid (up to float rounding)."""
+    `low` float32 `[out, in // group]`."""
 
     q: torch.Tensor
     scale: torch.Tensor
     low: torch.Tensor
     group: int
-    exact: bool
 
     def dequantized(self) -> torch.Tensor:
         out, width = self.q.shape
@@ -58,7 +57,7 @@ def on_grid(weight: torch.Tensor, group: int) -> Int4Groups | None:
     tolerance = grouped.abs().amax(-1) * 16 * torch.finfo(torch.float32).eps
     if not bool(((q.amax(-1) <= LEVELS - 1) & (error <= tolerance)).all()):
         return None
-    return Int4Groups(q.to(torch.int8).reshape(weight.shape), step, low, group, exact=True)
+    return Int4Groups(q.to(torch.int8).reshape(weight.shape), step, low, group)
 
 
 def min_max_groups(weight: torch.Tensor, group: int) -> Int4Groups:
@@ -67,12 +66,7 @@ def min_max_groups(weight: torch.Tensor, group: int) -> Int4Groups:
     low, high = grouped.amin(-1), grouped.amax(-1)
     scale = ((high - low) / (LEVELS - 1)).clamp(min=torch.finfo(torch.float32).tiny)
     q = torch.clamp(torch.round((grouped - low[..., None]) / scale[..., None]), 0, LEVELS - 1)
-    return Int4Groups(q.to(torch.int8).reshape(weight.shape), scale, low, group, exact=False)
-
-
-def int4_groups(weight: torch.Tensor, group: int) -> Int4Groups:
-    """The groups `weight` is on if it is on a grid (`on_grid`), else its min-max rounding."""
-    return on_grid(weight, group) or min_max_groups(weight, group)
+    return Int4Groups(q.to(torch.int8).reshape(weight.shape), scale, low, group)
 
 
 def _grouped(weight: torch.Tensor, group: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ from etblocks.export.contract import CONTRACT_METHOD, StaticContract
 from etblocks.export.external import weights_file
 from etblocks.export.accuracy import Perplexity
 from etblocks.export.feeders import DynamicFeeder, StaticFeeder, check_room
+from etblocks.export.weights import QUANTIZATION_METHOD, read_quantization
 from etblocks.export.sampling import distribution, draw, sample
 from etblocks.export.speculate import (
     DRAFT_PREFIX,
@@ -241,6 +242,13 @@ class Runner:
     @property
     def max_context_len(self) -> int:
         return self._feeder.max_context_len
+
+    @property
+    def quantization(self) -> dict | None:
+        """What the program records of its weight quantization: `{"scheme": ..., "modules": {name: what it
+        holds}}` (`"int4 groups, kept"` for a weight kept from the int4 groups it had); None: not quantized."""
+        values = self._constant(QUANTIZATION_METHOD)
+        return None if values is None else read_quantization(values)
 
     @property
     def vocab_size(self) -> int:

@@ -1,4 +1,5 @@
-"""Weight quantization of XNNPACK programs with torchao, the way ExecuTorch's own LLM export does it.
+"""Weight quantization of XNNPACK programs: etblocks' recipes for real models, and torchao's schemes the way
+ExecuTorch's own LLM export applies them.
 
 - Linears, `"8da4w"` / `"8da8w"`: torchao's `Int8DynamicActivationIntxWeightConfig` (ExecuTorch's `quantize(qmode=
   "8da4w")`): activations quantized at run time to int8 per token (asymmetric), weights to int4 with one scale per
@@ -11,9 +12,10 @@
 - Recipes, `"4bit"` / `"8bit"` (the defaults that keep a real model, measured on SmolLM2 in
   `benchmarks/accuracy.py`): `"4bit"` makes every linear asymmetric int4 per group (`etblocks.export.int4`: a
   weight already on int4 groups, as a GGUF file's Q4_0 / Q4_1 / Q4_K blocks dequantized, keeps its values; other
-  weights get GGUF Q4_1's min-max rounding), `"8bit"` makes them 8da8w unless they are on int4 groups (kept as in
-  `"4bit"`). Both make the output layer int8 per row (8da8w) and the embedding int8: a tied output layer and
-  embedding hold the same int8 rows and scales, which a program with its weights in a `.ptd` stores once.
+  weights get GGUF Q4_1's min-max rounding), `"8bit"` makes them int8 per output row (`Int8RowsLinear`, the scale
+  at each row's largest magnitude, int8 activations as 8da8w) unless they are on int4 groups (kept as in `"4bit"`).
+  Both make the output layer such int8 rows and the embedding int8: a tied output layer and embedding hold the
+  same rows and scales, which a program with its weights in a `.ptd` stores once.
 - Embedding, `"int8"`: one int8 row and one scale per token (torchao's `IntxWeightOnlyConfig`, per row), looked
   up by `quantized_decomposed::embedding_byte` on CPU (XNNPACK has no embedding): ExecuTorch's
   `EmbeddingQuantHandler` / `QuantizedGroupEmbedding`.
@@ -27,6 +29,7 @@ quantized itself).
 
 from __future__ import annotations
 
+import json
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Iterator
@@ -187,6 +190,19 @@ def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 KEPT = "int4 groups, kept"  # what the record says of a weight that was on int4 groups already
+QUANTIZATION_METHOD = "etblocks_quantization"  # the program's record of its weight quantization (JSON bytes)
+
+
+def quantization_constant(scheme: str, record: dict[str, str]) -> torch.Tensor:
+    """What a program records of its quantization: the scheme and what each module holds, as a uint8 tensor of
+    the UTF-8 bytes of a JSON object (a tensor: a list of ints costs an EValue of tens of bytes per character)."""
+    text = json.dumps({"scheme": scheme, "modules": record}, separators=(",", ":"))
+    return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8).clone()
+
+
+def read_quantization(value: torch.Tensor) -> dict:
+    """`quantization_constant`'s object back: `{"scheme": ..., "modules": {name: what it holds}}`."""
+    return json.loads(bytes(value.tolist()).decode())
 
 
 @contextmanager

@@ -215,3 +215,26 @@ def test_check_accuracy_reports_and_refuses_a_broken_recipe(base, tmp_path, monk
         etblocks.export(model, backend="xnnpack", out=tmp_path / "broken.pte", tokenizer=tokenizer, quantize_weights="8bit",
                         check_accuracy=text, max_perplexity_increase=0.05)
     assert not list(tmp_path.glob("broken*"))
+
+
+@pytest.mark.slow
+def test_the_program_records_its_quantization_and_eval_reports_it(program_4bit, base, tmp_path, capsys):
+    """The record travels in the program (`Runner.quantization`); `etblocks eval` prints it and the perplexity of
+    the text in windows, which is transformers' on the reference model within the recipe's tolerance."""
+    from etblocks.cli import main
+
+    runner = etblocks.Runner(program_4bit.path)
+    assert runner.quantization == {"scheme": program_4bit.quantize, "modules": program_4bit.quantized}
+    generator = torch.Generator().manual_seed(4)
+    ids = torch.randint(3, VOCAB, (40,), generator=generator).tolist()
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"t{i}" for i in ids))
+    word_tokenizer().save_pretrained(tmp_path / "tokenizer")
+    assert main(["eval", "--pte", str(program_4bit.path), "--text", str(text), "--tokenizer", str(tmp_path / "tokenizer"),
+                 "--window", "20"]) == 0
+    out = capsys.readouterr().out
+    assert f"weights: {program_4bit.quantize}; 7 int4 groups, kept, 7 int4 groups, min-max, 1 {OUTPUT}, 1 {EMBEDDING}" in out
+    reported = float(out.split("perplexity ")[1].split()[0])
+    model = reference(base, "q4_1")
+    nll = -torch.cat([hf_log_probs(model, ids[:20]), hf_log_probs(model, ids[20:])]).double().mean()
+    assert "over 38 tokens" in out and reported == pytest.approx(float(nll.exp()), rel=0.05)
