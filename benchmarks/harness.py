@@ -200,14 +200,25 @@ def argmax_last(logits: torch.Tensor) -> int:
     return greedy_token(logits.reshape(-1, logits.shape[-1])[-1])
 
 
+def load_runtime_program(path: Path, **program_options: Any) -> Any:
+    """A .pte loaded by the Python ExecuTorch runtime, with its weights' data file (`<stem>.ptd`, where `export`
+    writes a tied model's weights) when there is one. `program_options` go to `Runtime.load_program`."""
+    from executorch.runtime import Runtime
+
+    from etblocks.export.external import weights_file
+
+    data = weights_file(path)
+    if data.is_file():
+        program_options = {"data_path": str(data), **program_options}
+    return Runtime.get().load_program(Path(path), **program_options)
+
+
 def load_method(path: Path, name: str = "forward", **program_options: Any) -> Any:
     """Load one method of a .pte with the Python ExecuTorch runtime (with the kernels etblocks' Runner registers).
     The method keeps a reference to its program: a method whose program was freed fails intermittently at run
     time. `program_options` go to `Runtime.load_program` (e.g. `enable_etdump=True`)."""
-    from executorch.runtime import Runtime
-
     load_kernels()
-    program = Runtime.get().load_program(Path(path), **program_options)
+    program = load_runtime_program(Path(path), **program_options)
     method = program.load_method(name)
     method.etblocks_program = program
     return method
@@ -373,7 +384,7 @@ def export_with_etblocks(bench: Bench, row: Row, build_model: Callable[[Bench], 
     row.export_s = time.perf_counter() - start
     del model
     gc.collect()
-    row.pte_mb = pte_megabytes(result.path)
+    row.pte_mb = pte_megabytes(result.path, *([result.data_path] if result.data_path else []))
     return TokensPosDriver(Path(result.path)), result
 
 

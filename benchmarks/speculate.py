@@ -59,6 +59,7 @@ from harness import (  # benchmarks/ is not a package: Python puts this script's
     describe_cpu,
     finish,
     in_fresh_process,
+    load_runtime_program,
     paired_median,
     parse_with_smoke,
     spread,
@@ -183,14 +184,12 @@ def call_costs(paths: dict[str, Path], max_verify: int, position: int, calls: in
                rounds: int) -> dict[str, dict[str, list[float]]]:
     """Per program, seconds per call of `forward` with one token and `verify` with 1 .. max_verify tokens, at
     `position` (the same rows rewritten), `calls` calls per figure, programs and lengths interleaved per round."""
-    from executorch.runtime import Runtime
-
     from etblocks.export.runner import run_method
     from etblocks.export.speculate import VERIFY_METHOD
     from etblocks.ops import load_kernels
 
     load_kernels()
-    programs = {name: Runtime.get().load_program(path) for name, path in paths.items()}
+    programs = {name: load_runtime_program(path) for name, path in paths.items()}
     methods = {name: {"forward": p.load_method("forward"), VERIFY_METHOD: p.load_method(VERIFY_METHOD)}
                for name, p in programs.items()}
     columns = ["forward", *(f"verify {t}" for t in range(1, max_verify + 1))]
