@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from etblocks.config import Resolved, all_options, load_config, read_calibration, resolve
-from etblocks.errors import ConfigError, ContextOverflowError, EtblocksError, ProgramFileError
+from etblocks.errors import ConfigError, ContextOverflowError, EtblocksError, ProgramFileError, exception_summary
 from etblocks.noise import quiet
 from etblocks.options import RECIPE_KEYS, Option
 from etblocks.progress import LOGGER, shown, steps
@@ -298,7 +298,7 @@ def load_checkpoint(path: str | Path, dtype=None):
     except Exception as exc:  # transformers raises many types here (OSError, ValueError, KeyError, ...)
         raise ConfigError(
             f"model={str(path)!r} could not be loaded with AutoModelForCausalLM.from_pretrained: "
-            f"{type(exc).__name__}: {_first_line(exc)}; {CHECKPOINT_NEEDED}"
+            f"{exception_summary(exc)}; {CHECKPOINT_NEEDED}"
         ) from exc
     return model.eval()
 
@@ -543,7 +543,7 @@ def load_runner(path: str | Path, data_path: str | Path | None = None, decode_ta
         raise
     except Exception as exc:  # anything else a foreign program makes the Runner hit while reading it
         raise ProgramFileError(
-            f"pte={str(path)!r} could not be loaded by the ExecuTorch runtime ({type(exc).__name__}: {_first_line(exc)}); "
+            f"pte={str(path)!r} could not be loaded by the ExecuTorch runtime ({exception_summary(exc)}); "
             "give a .pte written by `etblocks export`"
         ) from None
 
@@ -569,11 +569,6 @@ def cmd_backends(args: argparse.Namespace) -> int:
 def _progress() -> Callable[[str], None]:
     """`say(message)`: a progress message of the command itself, logged on "etblocks" (shown by `main`)."""
     return LOGGER.info
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = [line for line in str(exc).splitlines() if line.strip()]
-    return lines[0].strip() if lines else ""
 
 
 @contextmanager

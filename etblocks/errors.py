@@ -33,3 +33,10 @@ class ContextOverflowError(EtblocksError):
     def __init__(self, message: str, fits: int | None = None) -> None:
         super().__init__(message + (f" (at most {max(fits, 0)} new tokens fit)" if fits is not None else ""))
         self.fits = fits
+
+
+def exception_summary(exc: BaseException) -> str:
+    """`"TypeName: first line of the message"` (the type alone for an empty message): what a `ConfigError` quotes
+    of a dependency's exception, whose full text may run to pages."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__

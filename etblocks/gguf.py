@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from etblocks.errors import ConfigError
+from etblocks.errors import ConfigError, exception_summary
 
 MAGIC = b"GGUF"
 
@@ -36,10 +36,6 @@ def load_gguf(path: str | Path, dtype: Any = None) -> tuple[Any, Any]:
     if not is_gguf(path):
         what = "does not exist" if not path.exists() else "is not a file" if not path.is_file() else "is not a GGUF file"
         raise ConfigError(f"model={str(path)!r} {what}; give a .gguf file (llama.cpp's format) or a checkpoint directory")
-    try:
-        import gguf  # noqa: F401  transformers reads the file with it
-    except ImportError:
-        raise ConfigError(f"model={str(path)!r} is a GGUF file; reading it needs the `gguf` package: pip install gguf") from None
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -49,8 +45,7 @@ def load_gguf(path: str | Path, dtype: Any = None) -> tuple[Any, Any]:
             loaded = AutoModelForCausalLM.from_pretrained(**where, dtype=dtype or torch.float32)
             tokenizer = AutoTokenizer.from_pretrained(**where)
     except Exception as exc:  # transformers raises many types for an architecture or tensor type it lacks
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise ConfigError(f"model={str(path)!r} could not be loaded by transformers' GGUF loader: {type(exc).__name__}: {first}") from exc
+        raise ConfigError(f"model={str(path)!r} could not be loaded by transformers' GGUF loader: {exception_summary(exc)}") from exc
     return _plain(loaded), tokenizer
 
 

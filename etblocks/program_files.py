@@ -31,7 +31,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from etblocks.errors import ProgramFileError
+from etblocks.errors import ProgramFileError, exception_summary
 
 PROGRAM_IDENTIFIER = b"ET12"
 DATA_IDENTIFIER = b"FT01"
@@ -99,7 +99,7 @@ def load_program(path: str | Path, data_path: str | Path | None = None) -> Loade
     try:
         return LoadedProgram(Runtime.get().load_program(str(path), **kwargs), path, kwargs.get("data_path"))
     except Exception as exc:  # RuntimeError with an error code; the runtime logs the reason above it
-        raise ProgramFileError(f"{path} could not be loaded by the ExecuTorch runtime ({_first_line(exc)}); expected {PROGRAM}") from None
+        raise ProgramFileError(f"{path} could not be loaded by the ExecuTorch runtime ({exception_summary(exc)}); expected {PROGRAM}") from None
 
 
 class LoadedProgram:
@@ -128,7 +128,7 @@ class LoadedProgram:
                 "a program whose weights were written apart needs their data file (.ptd), which was not given"
             )
             raise ProgramFileError(
-                f"{self.path}: method {name!r} could not be loaded by the ExecuTorch runtime ({_first_line(exc)}); "
+                f"{self.path}: method {name!r} could not be loaded by the ExecuTorch runtime ({exception_summary(exc)}); "
                 f"its delegates must be among this runtime's backends {backends}, and {data}"
             ) from None
 
@@ -204,7 +204,3 @@ def _check_size(path: Path, size: int, declared: int, what: str, expected: str) 
     if size < declared:
         raise ProgramFileError(f"{path} is truncated: {what} {declared} bytes, the file holds {size}; expected {expected}")
 
-
-def _first_line(exc: Exception) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
