@@ -47,44 +47,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    export = commands.add_parser(
-        "export",
+    _add_command(
+        commands, "export", cmd_export,
         help="swap a model's attention for a backend and export it to a .pte",
         description="Load a model, swap its attention for the backend's blocks (verified against the original), "
         "export, lower and write a .pte. Flags override the --config file.",
     )
-    _add_options(export, "export")
-    export.set_defaults(handler=cmd_export)
 
-    run = commands.add_parser(
-        "run",
+    _add_command(
+        commands, "run", cmd_run,
         help="generate with an exported .pte, from text or token ids",
         description="Generate with a .pte written by `etblocks export`, through the ExecuTorch runtime: --prompt TEXT "
         "(encoded with the tokenizer saved beside the .pte; the reply streams as it is generated) or --prompt-ids. "
         "Flags override the --config file.",
     )
-    _add_options(run, "run")
-    run.set_defaults(handler=cmd_run)
 
-    chat = commands.add_parser(
-        "chat",
+    _add_command(
+        commands, "chat", cmd_chat,
         help="talk with an exported .pte, turn by turn",
         description="An interactive conversation with a .pte whose tokenizer has a chat template (saved beside it by "
         "`etblocks export`, or --tokenizer). Replies stream as they are generated; the program's state is kept "
         "between turns, so each turn prefills only its own tokens. /reset starts over; /exit or Ctrl-D ends.",
     )
-    _add_options(chat, "chat")
-    chat.set_defaults(handler=cmd_chat)
 
-    evaluate = commands.add_parser(
-        "eval",
+    _add_command(
+        commands, "eval", cmd_eval,
         help="score a text file with an exported .pte: perplexity",
         description="The perplexity of a .pte on a text file (encoded with the tokenizer beside the .pte, or "
         "--tokenizer), scored in windows of --window tokens, each a new sequence: every token but a window's first "
         "is scored given the tokens before it. Prints perplexity, tokens scored and time.",
     )
-    _add_options(evaluate, "eval")
-    evaluate.set_defaults(handler=cmd_eval)
 
     backends = commands.add_parser(
         "backends",
@@ -95,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     backends.add_argument("-v", "--verbose", action="store_true", help="show the backends' own logs and warnings")
     backends.set_defaults(handler=cmd_backends)
     return parser
+
+
+def _add_command(commands: Any, name: str, handler: Callable[[argparse.Namespace], int], **texts: str) -> None:
+    """The subcommand `name` with a flag per declared option of its (`_add_options`), run by `handler`."""
+    parser = commands.add_parser(name, **texts)
+    _add_options(parser, name)
+    parser.set_defaults(handler=handler)
 
 
 def _add_options(parser: argparse.ArgumentParser, command: str) -> None:
@@ -352,8 +351,7 @@ def _export_summary(result, model_name: str, seconds: dict[str, float]) -> str:
     if result.accuracy is not None:
         lines.insert(-1, f"  accuracy    {result.accuracy}")
     if result.quantized:
-        held = Counter(result.quantized.values())
-        lines.insert(-1, "  modules     " + ", ".join(f"{count} {how}" for how, count in held.items()))
+        lines.insert(-1, f"  modules     {_held(result.quantized)}")
     if result.tokenizer:
         lines.insert(-1, f"  tokenizer   {result.tokenizer} (from {result.tokenizer_source})")
     if result.data_path:
@@ -420,13 +418,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
     runner = _generating_runner(options, _progress())
     quantization = runner.quantization
     if quantization is not None:
-        held = Counter(quantization["modules"].values())
-        print(f"weights: {quantization['scheme']}; " + ", ".join(f"{n} {how}" for how, n in held.items()), flush=True)
+        print(f"weights: {quantization['scheme']}; {_held(quantization['modules'])}", flush=True)
     start = time.perf_counter()
     result = runner.perplexity(text, window=options["window"])
     elapsed = time.perf_counter() - start
     print(f"{result}; {elapsed:.2f} s ({result.tokens / max(elapsed, 1e-9):.1f} tokens/s scored)", flush=True)
     return 0
+
+
+def _held(modules: dict[str, str]) -> str:
+    """What quantized modules hold, counted: "210 int4 groups, kept, 1 int8 rows (output layer), ..."."""
+    return ", ".join(f"{count} {how}" for how, count in Counter(modules.values()).items())
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

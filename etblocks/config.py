@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from etblocks.errors import ConfigError
-from etblocks.options import OPTIONS, Option, Rejected, check, token_ids
+from etblocks.options import OPTIONS, PROGRAM, Option, Rejected, check, token_ids
 
 
 def read_calibration(path: str | Path) -> list[list[int]]:
@@ -187,6 +187,6 @@ def resolve(command: str, flags: dict[str, Any], config: ConfigFile | None = Non
             flag = option.flags[-1] if flags[name] is False else option.flags[0]
             values[name] = check(option, flags[name], flag)
             sources[name] = flag
-    if command in ("run", "chat", "eval") and "pte" not in values and config is not None and "out" in config.values:
+    if command in PROGRAM and "pte" not in values and config is not None and "out" in config.values:
         values["pte"], sources["pte"] = config.values["out"], config.where("out")
     return Resolved(values, sources)

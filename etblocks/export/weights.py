@@ -43,6 +43,7 @@ from etblocks.export.int4 import AsymmetricInt4Linear, intx_tensor, min_max_grou
 from etblocks.options import OPTIONS, WEIGHT_RECIPES, check
 
 GROUP_MULTIPLE = 32  # XNNPACK's blockwise int4 GEMM takes groups of a multiple of 32 inputs
+GROUPED = ("8da4w", *WEIGHT_RECIPES)  # the linear schemes with int4 groups of `group_size` inputs
 
 
 @dataclass(frozen=True)
@@ -106,11 +107,11 @@ def weight_quantization(
             raise ConfigError(f"{name}={value!r}: backend={backend.name!r} has no kernels for it; backends that run it: {able}")
     if linear in WEIGHT_RECIPES:
         embedding = embedding or "int8"  # a recipe quantizes the embedding too
-    if linear in ("8da4w", *WEIGHT_RECIPES) and not (isinstance(group_size, int) and group_size > 0 and group_size % GROUP_MULTIPLE == 0):
+    if linear in GROUPED and not (isinstance(group_size, int) and group_size > 0 and group_size % GROUP_MULTIPLE == 0):
         raise ConfigError(f"group_size={group_size!r} is not accepted; give a positive multiple of {GROUP_MULTIPLE} (XNNPACK's int4 groups)")
     if linear is None and embedding is None:
         return None
-    return WeightQuantization(linear, group_size if linear in ("8da4w", *WEIGHT_RECIPES) else None, embedding)
+    return WeightQuantization(linear, group_size if linear in GROUPED else None, embedding)
 
 
 def called_modules(
