@@ -43,7 +43,7 @@ import torch
 
 import etblocks
 from etblocks.backends import get_backend
-from etblocks.export.accuracy import kl_divergence
+from etblocks.export.accuracy import program_accuracy
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "accuracy.json"
@@ -88,23 +88,19 @@ def eager_logits(model, windows: list[list[int]]) -> list[torch.Tensor]:
     return [model(torch.tensor([w])).logits[0].float() for w in windows]
 
 
-def measures(logits: list[torch.Tensor], reference: list[torch.Tensor] | None, windows: list[list[int]]) -> dict:
-    """Perplexity over every scored position, and top-1 / mean KL against `reference`'s distributions."""
-    nll, top1, kl, n = 0.0, 0, 0.0, 0
-    per_window = []
-    for i, (rows, window) in enumerate(zip(logits, windows)):
-        log_probs = rows[:-1].double().log_softmax(-1)
-        window_nll = -float(log_probs.gather(1, torch.tensor(window[1:])[:, None]).sum())
-        per_window.append(math.exp(window_nll / (len(window) - 1)))
-        nll += window_nll
-        n += len(window) - 1
-        if reference is not None:
-            top1 += int((rows[:-1].argmax(-1) == reference[i][:-1].argmax(-1)).sum())
-            kl += sum(kl_divergence(reference[i][t], rows[t]) for t in range(len(window) - 1))
-    result = {"perplexity": math.exp(nll / n), "perplexity_per_window": per_window, "tokens": n}
-    if reference is not None:
-        result.update(top1=top1 / n, mean_kl=kl / n)
-    return result
+def measures(logits: list[torch.Tensor], reference: list[torch.Tensor], windows: list[list[int]]) -> dict:
+    """Perplexity over every scored position (and per window), top-1 and mean KL against `reference`'s
+    distributions: `etblocks.export.accuracy.program_accuracy` of each window, pooled over the windows."""
+    per_window = [program_accuracy(lambda _, r=ref: r, lambda _, g=got: g, [window])
+                  for got, ref, window in zip(logits, reference, windows)]
+    n = sum(w.tokens for w in per_window)
+
+    def pooled(value) -> float:
+        return sum(value(w) * w.tokens for w in per_window) / n
+
+    return {"perplexity": math.exp(pooled(lambda w: math.log(w.perplexity))),
+            "perplexity_per_window": [w.perplexity for w in per_window], "tokens": n,
+            "top1": pooled(lambda w: w.top1_agreement), "mean_kl": pooled(lambda w: w.mean_kl)}
 
 
 def eager_rows(model, windows, schemes, fp32_logits) -> list[dict]:
